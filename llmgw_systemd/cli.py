@@ -1,0 +1,102 @@
+"""Command-line entry points. The only module that imports click, and the only place
+that turns errors into exit statuses: 0 done, 2 bad input, 1 anything else."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from typing import NoReturn
+
+import click
+
+from . import __version__
+from .errors import BadInput, LlmgwError, UsageError
+from .install import CREATE, KEEP, REMOVE, UPDATE, Survey, apply, survey, unified_diff
+from .plan import Manager, plan_node
+from .render import render_shards
+from .sources import read_documents
+from .spec import build_spec
+
+SYSTEM_UNIT_DIR = "/etc/systemd/system"
+WAIT_FOR_PORT = "llmgw-wait-for-port"
+
+
+def _default_user_dir() -> str:
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    return os.path.join(config, "systemd", "user")
+
+
+def _find_helper() -> str:
+    """llmgw-wait-for-port beside this very llmgw-render (same install), else on PATH."""
+    beside = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), WAIT_FOR_PORT)
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(WAIT_FOR_PORT)
+    if found:
+        return os.path.abspath(found)
+    raise LlmgwError(f"cannot find {WAIT_FOR_PORT} beside {sys.argv[0]} or on PATH; "
+                     "is llmgw-systemd installed?")
+
+
+def _fail(prog: str, exc: LlmgwError) -> NoReturn:
+    click.echo(f"{prog}: error: {exc}", err=True)
+    sys.exit(2 if isinstance(exc, BadInput) else 1)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("specs", nargs=-1, required=True, metavar="SPEC...")
+@click.option("--node", metavar="NAME",
+              help="Render this node's shards [default: this machine's host name].")
+@click.option("--output", metavar="DIR",
+              help=f"Unit directory [default: {SYSTEM_UNIT_DIR}, or the user unit directory "
+                   "with --user].")
+@click.option("--dry-run", is_flag=True,
+              help="Print what would be created, changed and removed; write nothing.")
+@click.option("--user", "user_manager", is_flag=True,
+              help="Render for a per-user manager (systemctl --user), as tests do.")
+@click.option("--allow-empty", is_flag=True,
+              help="Accept a node that has no shard (its old units are then removed).")
+@click.version_option(__version__, "--version", prog_name="llmgw-render")
+def render_command(specs: tuple[str, ...], node: str | None, output: str | None,
+                   dry_run: bool, user_manager: bool, allow_empty: bool) -> None:
+    """Render replica SPEC files (or folders of *.yaml) into systemd units for one node."""
+    try:
+        node_name = node if node is not None else socket.gethostname()
+        if not node_name:
+            raise UsageError("--node", "this machine has no host name; pass --node NAME")
+        directory = output or (_default_user_dir() if user_manager else SYSTEM_UNIT_DIR)
+        spec = build_spec(read_documents(specs))
+        manager = Manager(user=user_manager, wait_for_port=_find_helper())
+        rendered = render_shards(plan_node(spec, node_name, manager, allow_empty=allow_empty))
+        result = survey(directory, rendered)
+        for note in result.notes:
+            click.echo(f"note: {note}", err=True)
+        if dry_run:
+            click.echo(unified_diff(result.changes, directory), nl=False)
+            click.echo(_summary(result, directory, would=True))
+            return
+        apply(directory, result.changes)
+        verbs = {CREATE: "created", UPDATE: "updated", REMOVE: "removed"}
+        for change in result.changes:
+            if change.action != KEEP:
+                click.echo(f"{verbs[change.action]} {os.path.join(directory, change.name)}")
+        click.echo(_summary(result, directory, would=False))
+        if result.dirty:
+            flag = " --user" if user_manager else ""
+            click.echo(f"next: systemctl{flag} daemon-reload")
+    except LlmgwError as exc:
+        _fail("llmgw-render", exc)
+
+
+def _summary(result: Survey, directory: str, *, would: bool) -> str:
+    if not result.dirty:
+        return f"nothing to do: {result.count(KEEP)} units in {directory} are up to date"
+    prefix = "would have: " if would else ""
+    return (f"{prefix}{result.count(CREATE)} created, {result.count(UPDATE)} updated, "
+            f"{result.count(REMOVE)} removed, {result.count(KEEP)} unchanged in {directory}")
+
+
+def render_main() -> None:
+    render_command(prog_name="llmgw-render")

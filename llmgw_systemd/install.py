@@ -1,0 +1,176 @@
+"""Rendered texts -> the unit directory: atomic, idempotent, and pruning only our files.
+
+Everything is rendered and checked before this runs. Writes go to temporary files in
+the same directory first; only when all of them are on disk are they renamed into
+place, so a failure (disk full, permissions) leaves the directory as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .errors import InstallError
+from .render import is_ours
+
+OUR_NAME_RE = re.compile(r"llmgw-[A-Za-z0-9:_.-]+\.(service|target)\Z")
+TEMP_SUFFIX = ".llmgw-tmp"
+CREATE, UPDATE, REMOVE, KEEP = "create", "update", "remove", "keep"
+
+
+@dataclass(frozen=True)
+class Change:
+    name: str
+    action: str  # CREATE, UPDATE, REMOVE or KEEP
+    old: str | None
+    new: str | None
+
+
+@dataclass(frozen=True)
+class Survey:
+    changes: tuple[Change, ...]
+    notes: tuple[str, ...]  # things left alone on purpose, for the user to know
+
+    def count(self, action: str) -> int:
+        return sum(1 for c in self.changes if c.action == action)
+
+    @property
+    def dirty(self) -> bool:
+        return any(c.action != KEEP for c in self.changes)
+
+
+def survey(directory: str, rendered: Mapping[str, str]) -> Survey:
+    """Compare what is in the directory with what should be; reads, never writes."""
+    changes: list[Change] = []
+    notes: list[str] = []
+    try:
+        present = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        present = []
+    except OSError as exc:
+        raise InstallError(f"cannot read {directory}: {exc.strerror}") from None
+    present_set = set(present)
+    for name in sorted(rendered):
+        path = os.path.join(directory, name)
+        new = rendered[name]
+        if name not in present_set:
+            changes.append(Change(name, CREATE, None, new))
+            continue
+        if os.path.islink(path):
+            if os.path.realpath(path) == "/dev/null":
+                notes.append(f"{name} is masked (a link to /dev/null); left as it is")
+                continue
+            raise InstallError(f"{path} is a symbolic link not written by llmgw-render; "
+                               "move it away or rename the replica")
+        old = _read(path)
+        if not is_ours(old[:4096]):
+            raise InstallError(f"{path} exists and was not written by llmgw-render (it lacks "
+                               "our marker); move it away or rename the replica")
+        changes.append(Change(name, KEEP if old == new else UPDATE, old, new))
+    for name in present:
+        if name in rendered or not OUR_NAME_RE.match(name):
+            continue
+        path = os.path.join(directory, name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            continue
+        old = _read(path, limit=4096)
+        if is_ours(old):
+            changes.append(Change(name, REMOVE, _read(path), None))
+    return Survey(tuple(changes), tuple(notes))
+
+
+def _read(path: str, limit: int = -1) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit)
+    except OSError as exc:
+        raise InstallError(f"cannot read {path}: {exc.strerror}") from None
+    return data.decode("utf-8", errors="replace") if limit > 0 else data.decode(
+        "utf-8", errors="surrogateescape")
+
+
+def apply(directory: str, changes: Sequence[Change]) -> None:
+    """Carry out the survey's changes: all the writes land, or none does."""
+    writes = [c for c in changes if c.action in (CREATE, UPDATE)]
+    removals = [c for c in changes if c.action == REMOVE]
+    if not writes and not removals:
+        return
+    try:
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+    except OSError as exc:
+        raise InstallError(f"cannot create {directory}: {exc.strerror}") from None
+    staged: list[tuple[str, str]] = []
+    try:
+        for change in writes:
+            assert change.new is not None  # noqa: S101 - CREATE and UPDATE carry text
+            staged.append((_stage(directory, change.name, change.new),
+                           os.path.join(directory, change.name)))
+    except OSError as exc:
+        for temp, _ in staged:
+            _unlink_quietly(temp)
+        raise InstallError(f"cannot write into {directory}: {exc.strerror}; nothing was "
+                           "changed") from None
+    try:
+        for temp, final in staged:
+            os.replace(temp, final)
+        for change in removals:
+            os.unlink(os.path.join(directory, change.name))
+        _fsync_dir(directory)
+    except OSError as exc:
+        for temp, _ in staged:
+            _unlink_quietly(temp)
+        raise InstallError(f"updating {directory} failed part way: {exc}") from None
+
+
+def _stage(directory: str, name: str, text: str) -> str:
+    fd, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=TEMP_SUFFIX, dir=directory)
+    try:
+        os.fchmod(fd, 0o644)
+        data = text.encode("utf-8")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        # Durable before the rename: a crash must never leave an empty unit behind.
+        os.fdatasync(fd)
+    except OSError:
+        os.close(fd)
+        _unlink_quietly(temp)
+        raise
+    os.close(fd)
+    return temp
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def unified_diff(changes: Sequence[Change], directory: str) -> str:
+    """What apply() would do, as a unified diff (for --dry-run)."""
+    import difflib  # only for --dry-run: it costs a few ms to import
+
+    out: list[str] = []
+    for change in changes:
+        if change.action == KEEP:
+            continue
+        path = os.path.join(directory, change.name)
+        old = (change.old or "").splitlines(keepends=True)
+        new = (change.new or "").splitlines(keepends=True)
+        out.extend(difflib.unified_diff(
+            old, new,
+            fromfile="/dev/null" if change.action == CREATE else path,
+            tofile="/dev/null" if change.action == REMOVE else path))
+    return "".join(out)
+

@@ -1,0 +1,182 @@
+"""Spec -> the units of one node, as data (pure).
+
+Per replica R whose nodes include this node (DESIGN.md section 3):
+
+    llmgw-R.target            Wants= every member; `systemctl enable` hooks it to boot
+      llmgw-R-<sidecar>.service  PartOf= target, BindsTo= engine, After= earlier sidecars
+      llmgw-R-engine.service     PartOf= target, BindsTo= + After= every sidecar
+
+BindsTo= both ways makes the death of any member stop the whole shard, and
+Restart=always on every member brings it back: the member that died restarts after
+RestartSec and pulls the others in through BindsTo= (sidecars first, by After=).
+A stop that systemd itself propagates never triggers Restart=, so only the member that
+actually died restarts, and StartLimitBurst= in [Unit] bounds the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .endpoint import Endpoint
+from .engines import Step, shard_steps
+from .errors import UsageError
+from .spec import Replica, RestartPolicy, Spec
+
+UNIT_PREFIX = "llmgw-"
+# A start command may run as long as its own wait plus this margin before systemd
+# kills it: TimeoutStartSec= is re-armed for each ExecStartPre=, so each wait carries
+# its own deadline and systemd's timeout is only a backstop.
+START_TIMEOUT_MARGIN = 30
+
+
+@dataclass(frozen=True)
+class Manager:
+    """Which systemd instance the units are for, and where our helper lives."""
+
+    user: bool  # a per-user manager (systemctl --user) instead of the system manager
+    wait_for_port: str  # absolute path of llmgw-wait-for-port
+
+
+@dataclass(frozen=True)
+class ServiceUnit:
+    name: str
+    description: str
+    part_of: str
+    binds_to: tuple[str, ...]
+    after: tuple[str, ...]
+    wants: tuple[str, ...]
+    exec_start_pre: tuple[tuple[str, ...], ...]
+    exec_start: tuple[str, ...]
+    environment: tuple[tuple[str, str], ...]
+    environment_file: str | None
+    user: str | None
+    restart: RestartPolicy
+    timeout_start_sec: int | None
+    success_exit_status: tuple[int, ...]
+    notify_status: bool  # a start step reports STATUS= to systemd
+    hardening: bool
+
+
+@dataclass(frozen=True)
+class TargetUnit:
+    name: str
+    description: str
+    wants: tuple[str, ...]
+    wanted_by: str
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One replica's shard on this node: the target and its member services."""
+
+    replica: str
+    rank: int
+    ranks: int
+    node: str
+    source: str
+    serves_http: bool
+    target: TargetUnit
+    services: tuple[ServiceUnit, ...]
+
+    @property
+    def unit_names(self) -> tuple[str, ...]:
+        return (self.target.name, *(s.name for s in self.services))
+
+
+def target_name(replica: str) -> str:
+    return f"{UNIT_PREFIX}{replica}.target"
+
+
+def service_name(replica: str, step: str) -> str:
+    return f"{UNIT_PREFIX}{replica}-{step}.service"
+
+
+def plan_node(spec: Spec, node: str, manager: Manager, *, allow_empty: bool = False
+              ) -> tuple[ShardPlan, ...]:
+    plans = []
+    for replica in spec.replicas:
+        rank = replica.rank_of(node)
+        if rank is not None:
+            plans.append(plan_shard(replica, rank, manager))
+    if not plans and not allow_empty:
+        known = ", ".join(spec.node_names()) or "none"
+        raise UsageError("--node", f"node '{node}' is not in any replica (nodes in the spec: "
+                         f"{known}); pass --node NAME, or --allow-empty to remove this "
+                         "node's units")
+    return tuple(plans)
+
+
+def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
+    steps = shard_steps(replica, rank)
+    target = target_name(replica.name)
+    names = [service_name(replica.name, step.name) for step in steps]
+    engine = names[-1]
+    sidecars = tuple(names[:-1])
+    n = len(replica.nodes)
+    node = replica.nodes[rank]
+    serves = replica.serving_rank == rank
+    place = f"rank {rank} of {n} on {node.name}"
+    shared_env = _shared_env(replica)
+    system_deps = () if manager.user else ("network-online.target",)
+    services = []
+    for i, (name, step) in enumerate(zip(names, steps)):
+        is_engine = name == engine
+        pre = _start_pre(step, replica, manager)
+        waits = [replica.rendezvous_timeout] if step.wait_for else []
+        if step.frees:
+            waits.append(replica.port_release_timeout)
+        services.append(ServiceUnit(
+            name=name,
+            description=f"llmgw {replica.name} {place}: {step.role}",
+            part_of=target,
+            binds_to=sidecars if is_engine else (engine,),
+            after=(*system_deps, *(sidecars if is_engine else names[:i])),
+            wants=system_deps,
+            exec_start_pre=pre,
+            exec_start=step.argv,
+            environment=(*shared_env, *step.env, *replica.env),
+            environment_file=replica.environment_file,
+            user=None if manager.user else replica.user,
+            restart=replica.restart,
+            timeout_start_sec=max(waits) + START_TIMEOUT_MARGIN if waits else None,
+            success_exit_status=step.clean_exit_statuses,
+            notify_status=bool(pre),
+            hardening=not manager.user,
+        ))
+    role = "leader" if rank == 0 else "worker"
+    http = f", serves HTTP on port {replica.port}" if serves else ""
+    return ShardPlan(
+        replica=replica.name, rank=rank, ranks=n, node=node.name, source=replica.source,
+        serves_http=serves,
+        target=TargetUnit(
+            name=target,
+            description=f"llmgw replica {replica.name}: {place} ({role}{http})",
+            wants=tuple(names),
+            wanted_by="default.target" if manager.user else "multi-user.target",
+        ),
+        services=tuple(services),
+    )
+
+
+def _shared_env(replica: Replica) -> tuple[tuple[str, str], ...]:
+    # Python buffers stdout without a terminal; unbuffered output reaches the journal
+    # as it happens.
+    env: tuple[tuple[str, str], ...] = (("PYTHONUNBUFFERED", "1"),)
+    if replica.gpus:
+        env += (("CUDA_VISIBLE_DEVICES", ",".join(replica.gpus)),)
+    return env
+
+
+def _start_pre(step: Step, replica: Replica, manager: Manager) -> tuple[tuple[str, ...], ...]:
+    pre: list[tuple[str, ...]] = []
+    if step.frees:
+        pre.append(_wait_cmd(manager, replica.port_release_timeout, step.frees, free=True))
+    if step.wait_for:
+        pre.append(_wait_cmd(manager, replica.rendezvous_timeout, step.wait_for, free=False))
+    return tuple(pre)
+
+
+def _wait_cmd(manager: Manager, timeout: int, endpoints: tuple[Endpoint, ...], *, free: bool
+              ) -> tuple[str, ...]:
+    return (manager.wait_for_port, *(("--free",) if free else ()), "--timeout", str(timeout),
+            *(str(e) for e in endpoints))

@@ -1,0 +1,41 @@
+"""Spec files and folders on disk -> parsed documents (the reading shell)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from .errors import SpecError
+from .yamldoc import Document, parse
+
+SPEC_SUFFIXES = (".yaml", ".yml")
+
+
+def spec_files(paths: Sequence[str]) -> list[str]:
+    """Each path as given, a folder expanded to its *.yaml/*.yml files in name order."""
+    files: list[str] = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(n for n in os.listdir(path)
+                           if n.endswith(SPEC_SUFFIXES) and not n.startswith("."))
+            if not found:
+                raise SpecError(path, None, "", "the folder holds no *.yaml spec file")
+            files.extend(os.path.join(path, n) for n in found)
+        else:
+            files.append(path)
+    return files
+
+
+def read_documents(paths: Sequence[str]) -> list[Document]:
+    docs = []
+    for file in spec_files(paths):
+        name = os.path.abspath(file)
+        try:
+            with open(file, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raise SpecError(file, None, "", "no such file") from None
+        except OSError as exc:
+            raise SpecError(file, None, "", f"cannot read: {exc.strerror}") from None
+        docs.append(parse(raw, name))
+    return docs

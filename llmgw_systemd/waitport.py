@@ -1,0 +1,139 @@
+"""llmgw-wait-for-port: wait, with a deadline, until TCP addresses listen (or are free).
+
+Runs as ExecStartPre= of a shard's unit, so it starts fast (no click, no jinja2) and
+tells systemd what it is waiting for through STATUS= (shown by `systemctl status`).
+Exit 0 when every address is ready, 1 on timeout, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+
+from .endpoint import Endpoint, parse_endpoint
+from .errors import BadInput
+
+PROG = "llmgw-wait-for-port"
+
+
+def notify(message: str) -> None:
+    """Send one sd_notify message when systemd gave us a socket; never fail over it."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode("utf-8", errors="replace"))
+    except OSError:
+        pass
+
+
+def accepts(endpoint: Endpoint, timeout: float) -> str | None:
+    """None when some address of the host accepts a TCP connection, else why not.
+
+    The name is resolved on every call: DNS may come up after we start."""
+    try:
+        infos = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot resolve {endpoint.host}: {exc.strerror}"
+    reason = "no address"
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.settimeout(max(timeout, 0.05))
+            try:
+                sock.connect(sockaddr)
+                return None
+            except OSError as exc:
+                reason = exc.strerror or type(exc).__name__
+    return reason
+
+
+def is_free(endpoint: Endpoint) -> str | None:
+    """None when the port could be bound there now (no listener), else why not."""
+    family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # Matches what servers do: TIME_WAIT leftovers must not count as busy.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((endpoint.host, endpoint.port))
+        except OSError as exc:
+            return exc.strerror or type(exc).__name__
+    return None
+
+
+def wait(endpoints: Sequence[Endpoint], timeout: float, interval: float, free: bool) -> int:
+    started = time.monotonic()
+    deadline = started + timeout
+    pending = list(endpoints)
+    what = "to be free" if free else "to accept connections"
+    reasons: dict[Endpoint, str] = {}
+    while True:
+        for endpoint in list(pending):
+            remaining = deadline - time.monotonic()
+            reason = is_free(endpoint) if free else accepts(endpoint, min(interval, remaining))
+            if reason is None:
+                pending.remove(endpoint)
+            else:
+                reasons[endpoint] = reason
+        if not pending:
+            notify("STATUS=")
+            return 0
+        waited = time.monotonic() - started
+        names = ", ".join(str(e) for e in pending)
+        if time.monotonic() >= deadline:
+            detail = "; ".join(f"{e}: {reasons[e]}" for e in pending)
+            line = (f"{PROG}: gave up after {waited:.0f} s waiting for {names} {what} "
+                    f"({detail})")
+            notify(f"STATUS={line}")
+            print(line, file=sys.stderr, flush=True)
+            return 1
+        notify(f"STATUS=Waiting for {names} {what} ({waited:.0f} s of {timeout:g} s)")
+        time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got '{text}'") from None
+    if not 0 <= value <= 86400 * 7:
+        raise argparse.ArgumentTypeError(f"expected 0 to 604800 seconds, got '{text}'")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Wait until every HOST:PORT accepts TCP connections "
+        "(or, with --free, until nothing listens there).")
+    parser.add_argument("addresses", nargs="+", metavar="HOST:PORT",
+                        help="address to wait for; IPv6 as [ADDR]:PORT")
+    parser.add_argument("--timeout", type=_seconds, default=300.0,
+                        help="give up after this many seconds (default 300)")
+    parser.add_argument("--interval", type=_seconds, default=1.0,
+                        help="seconds between tries (default 1)")
+    parser.add_argument("--free", action="store_true",
+                        help="wait until the ports can be bound (nobody listens) instead")
+    args = parser.parse_args(argv)
+    endpoints = []
+    try:
+        for text in args.addresses:
+            parsed = parse_endpoint(text)
+            if isinstance(parsed, str):
+                raise BadInput(parsed)
+            endpoints.append(parsed)
+    except BadInput as exc:
+        parser.error(str(exc))
+    if args.interval <= 0:
+        parser.error("--interval must be more than 0 seconds")
+    sys.exit(wait(endpoints, args.timeout, args.interval, args.free))
+
+
+if __name__ == "__main__":
+    main()
