@@ -99,4 +99,13 @@ def _summary(result: Survey, directory: str, *, would: bool) -> str:
 
 
 def render_main() -> None:
-    render_command(prog_name="llmgw-render")
+    # standalone_mode=False: click's usage errors come back to us, to be reported as
+    # one line in our own format rather than click's three-line usage block.
+    try:
+        render_command.main(prog_name="llmgw-render", standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as exc:
+        click.echo(f"llmgw-render: error: {exc.format_message()} (see llmgw-render --help)",
+                   err=True)
+        sys.exit(exc.exit_code)

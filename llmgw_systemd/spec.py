@@ -572,7 +572,9 @@ def _check_port_claims(replicas: list[Replica],
                 other, other_rel, other_what = claimed[key]
                 other_doc, other_base = locations[other.name]
                 owner = ("this replica" if other is replica else f"replica '{other.name}'")
+                default = ("" if (*base, *rel) in doc.value_lines else
+                           f" ({rel[-1]} defaults to {port} for this engine; set it)")
                 raise doc.error((*base, *rel), f"port {port} on node '{node}' is already "
                                 f"claimed by {owner} as its {other_what} port at "
-                                f"{_where(other_doc, (*other_base, *other_rel))}")
+                                f"{_where(other_doc, (*other_base, *other_rel))}{default}")
             claimed[key] = (replica, rel, what)
