@@ -1,0 +1,178 @@
+"""llmgw-wait-for-port against real sockets on loopback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import WAIT_FOR_PORT
+
+
+def free_port(family: int = socket.AF_INET) -> int:
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def listener(port: int, host: str = "127.0.0.1") -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen()
+    return sock
+
+
+def wait_tool(*args: str, env: dict[str, str] | None = None,
+              timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([WAIT_FOR_PORT, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, check=False, stdin=subprocess.DEVNULL)
+
+
+def test_listening_address_returns_at_once() -> None:
+    port = free_port()
+    with listener(port):
+        proc = wait_tool("--timeout", "5", f"127.0.0.1:{port}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+
+
+def test_waits_until_the_address_listens() -> None:
+    port = free_port()
+    opened = threading.Event()
+    holder: list[socket.socket] = []
+
+    def open_later() -> None:
+        time.sleep(1.0)
+        holder.append(listener(port))
+        opened.set()
+
+    thread = threading.Thread(target=open_later)
+    thread.start()
+    try:
+        proc = wait_tool("--timeout", "20", "--interval", "0.2", f"127.0.0.1:{port}")
+    finally:
+        thread.join()
+        for sock in holder:
+            sock.close()
+    assert opened.is_set()
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_timeout_names_the_address_and_the_time() -> None:
+    port = free_port()
+    proc = wait_tool("--timeout", "1", "--interval", "0.2", f"127.0.0.1:{port}")
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(f"llmgw-wait-for-port: gave up after 1 s waiting for "
+                               f"127.0.0.1:{port} to accept connections")
+    assert "Connection refused" in lines[0]
+
+
+def test_every_address_must_listen() -> None:
+    up, down = free_port(), free_port()
+    with listener(up):
+        proc = wait_tool("--timeout", "1", "--interval", "0.2", f"127.0.0.1:{up}",
+                         f"localhost:{down}")
+    assert proc.returncode == 1
+    assert f"localhost:{down}" in proc.stderr
+    assert f"127.0.0.1:{up}" not in proc.stderr
+
+
+def test_ipv6_address() -> None:
+    port = free_port(socket.AF_INET6)
+    with listener(port, "::1"):
+        proc = wait_tool("--timeout", "5", f"[::1]:{port}")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_names_are_resolved_on_every_try() -> None:
+    """An unresolvable name is a reason to wait, not an error."""
+    proc = wait_tool("--timeout", "1", "--interval", "0.3", "no-such-host.invalid:80")
+    assert proc.returncode == 1
+    assert "cannot resolve no-such-host.invalid" in proc.stderr
+
+
+def test_free_waits_for_the_holder_to_go() -> None:
+    port = free_port()
+    sock = listener(port, "127.0.0.1")
+    timer = threading.Timer(1.0, sock.close)
+    timer.start()
+    try:
+        proc = wait_tool("--free", "--timeout", "20", "--interval", "0.2", f"0.0.0.0:{port}")
+    finally:
+        timer.join()
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_free_gives_up_on_a_stale_holder() -> None:
+    port = free_port()
+    with listener(port, "127.0.0.1"):
+        proc = wait_tool("--free", "--timeout", "1", "--interval", "0.2", f"0.0.0.0:{port}")
+    assert proc.returncode == 1
+    assert f"0.0.0.0:{port} to be free" in proc.stderr
+    assert "Address already in use" in proc.stderr
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
+    path = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(0)
+    yield sock, path
+    sock.close()
+
+
+def received(sock: socket.socket) -> list[str]:
+    out = []
+    while True:
+        try:
+            out.append(sock.recv(4096).decode())
+        except BlockingIOError:
+            return out
+
+
+def test_progress_and_result_reach_systemd(notify_socket: tuple[socket.socket, str]) -> None:
+    sock, path = notify_socket
+    port = free_port()
+    proc = wait_tool("--timeout", "1", "--interval", "0.3", f"127.0.0.1:{port}",
+                     env={"NOTIFY_SOCKET": path, "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 1
+    messages = received(sock)
+    assert messages[0].startswith(f"STATUS=Waiting for 127.0.0.1:{port} to accept connections")
+    assert messages[-1].startswith("STATUS=llmgw-wait-for-port: gave up after 1 s")
+    with listener(port):
+        proc = wait_tool("--timeout", "5", f"127.0.0.1:{port}",
+                         env={"NOTIFY_SOCKET": path, "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0
+    assert received(sock) == ["STATUS="]  # the status line is cleared once ready
+
+
+@pytest.mark.parametrize("args, message", [
+    (["10.0.0.1"], "expected HOST:PORT"),
+    (["fd00::1:80"], "expected HOST:PORT (IPv6 as [ADDR]:PORT)"),
+    (["h:0"], "expected a port from 1 to 65535"),
+    (["--timeout", "soon", "h:1"], "expected seconds, got 'soon'"),
+    (["--interval", "0", "h:1"], "--interval must be more than 0 seconds"),
+    ([], "the following arguments are required"),
+])
+def test_bad_arguments(args: list[str], message: str) -> None:
+    proc = wait_tool(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_starts_without_click_jinja2_or_yaml() -> None:
+    code = ("import sys, llmgw_systemd.waitport; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'click', 'jinja2', 'yaml'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
