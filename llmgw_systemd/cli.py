@@ -3,9 +3,8 @@ that turns errors into exit statuses: 0 done, 2 bad input, 1 anything else."""
 
 from __future__ import annotations
 
+import gc
 import os
-import shutil
-import socket
 import sys
 from typing import NoReturn
 
@@ -33,11 +32,20 @@ def _find_helper() -> str:
     beside = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), WAIT_FOR_PORT)
     if os.access(beside, os.X_OK):
         return beside
+    import shutil  # only when not installed side by side
+
     found = shutil.which(WAIT_FOR_PORT)
     if found:
         return os.path.abspath(found)
     raise LlmgwError(f"cannot find {WAIT_FOR_PORT} beside {sys.argv[0]} or on PATH; "
                      "is llmgw-systemd installed?")
+
+
+def _print_version(ctx: click.Context, value: bool) -> None:
+    # click.version_option would import locale (~1.5 ms) on every run
+    if value:
+        click.echo(f"llmgw-render {__version__}")
+        ctx.exit()
 
 
 def _fail(prog: str, exc: LlmgwError) -> NoReturn:
@@ -58,12 +66,14 @@ def _fail(prog: str, exc: LlmgwError) -> NoReturn:
               help="Render for a per-user manager (systemctl --user), as tests do.")
 @click.option("--allow-empty", is_flag=True,
               help="Accept a node that has no shard (its old units are then removed).")
-@click.version_option(__version__, "--version", prog_name="llmgw-render")
+@click.option("--version", is_flag=True, is_eager=True, expose_value=False,
+              callback=lambda ctx, _param, value: _print_version(ctx, value),
+              help="Show the version and exit.")
 def render_command(specs: tuple[str, ...], node: str | None, output: str | None,
                    dry_run: bool, user_manager: bool, allow_empty: bool) -> None:
     """Render replica SPEC files (or folders of *.yaml) into systemd units for one node."""
     try:
-        node_name = node if node is not None else socket.gethostname()
+        node_name = node if node is not None else os.uname().nodename  # = gethostname()
         if not node_name:
             raise UsageError("--node", "this machine has no host name; pass --node NAME")
         directory = output or (_default_user_dir() if user_manager else SYSTEM_UNIT_DIR)
@@ -79,10 +89,9 @@ def render_command(specs: tuple[str, ...], node: str | None, output: str | None,
             return
         apply(directory, result.changes)
         verbs = {CREATE: "created", UPDATE: "updated", REMOVE: "removed"}
-        for change in result.changes:
-            if change.action != KEEP:
-                click.echo(f"{verbs[change.action]} {os.path.join(directory, change.name)}")
-        click.echo(_summary(result, directory, would=False))
+        lines = [f"{verbs[c.action]} {os.path.join(directory, c.name)}"
+                 for c in result.changes if c.action != KEEP]
+        click.echo("\n".join([*lines, _summary(result, directory, would=False)]))
         if result.dirty:
             flag = " --user" if user_manager else ""
             click.echo(f"next: systemctl{flag} daemon-reload")
@@ -99,6 +108,10 @@ def _summary(result: Survey, directory: str, *, would: bool) -> str:
 
 
 def render_main() -> None:
+    # A short-lived process whose garbage is freed by reference counting; the cyclic
+    # collector would only re-scan the spec's YAML node tree again and again (a third
+    # of the run time for large specs).
+    gc.disable()
     # standalone_mode=False: click's usage errors come back to us, to be reported as
     # one line in our own format rather than click's three-line usage block.
     try:

@@ -12,6 +12,8 @@ HOSTNAME_LABEL_RE = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")
 
 @dataclass(frozen=True)
 class Endpoint:
+    """A TCP address: host name or IP, and port."""
+
     host: str
     port: int
 

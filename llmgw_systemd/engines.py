@@ -6,7 +6,6 @@ engine, whose exit is the shard's exit (DESIGN.md section 1 and 7).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 from .endpoint import Endpoint
@@ -22,6 +21,8 @@ RAY_TEMP_DIR_MAX = 40
 
 @dataclass(frozen=True)
 class Step:
+    """One command of a shard's sequence, with what must hold before it starts."""
+
     name: str  # unit name suffix: "ray-head", "engine"
     role: str  # for people: "Ray head", "vLLM server (Ray leader)"
     argv: tuple[str, ...]
@@ -35,6 +36,8 @@ def ray_temp_dir(replica_name: str) -> str:
     plain = f"/tmp/ray-{replica_name}"  # noqa: S108 - Ray's own default root is /tmp/ray
     if len(plain) <= RAY_TEMP_DIR_MAX:
         return plain
+    import hashlib  # only for long names
+
     digest = hashlib.sha256(replica_name.encode()).hexdigest()[:8]
     return f"/tmp/ray-{replica_name[:RAY_TEMP_DIR_MAX - 18]}-{digest}"  # noqa: S108
 

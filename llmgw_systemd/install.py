@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +23,8 @@ CREATE, UPDATE, REMOVE, KEEP = "create", "update", "remove", "keep"
 
 @dataclass(frozen=True)
 class Change:
+    """One file's fate: created, updated, removed or kept, with old and new text."""
+
     name: str
     action: str  # CREATE, UPDATE, REMOVE or KEEP
     old: str | None
@@ -32,6 +33,8 @@ class Change:
 
 @dataclass(frozen=True)
 class Survey:
+    """What writing the units would change in the directory, and what it leaves alone."""
+
     changes: tuple[Change, ...]
     notes: tuple[str, ...]  # things left alone on purpose, for the user to know
 
@@ -103,12 +106,32 @@ def apply(directory: str, changes: Sequence[Change]) -> None:
         os.makedirs(directory, mode=0o755, exist_ok=True)
     except OSError as exc:
         raise InstallError(f"cannot create {directory}: {exc.strerror}") from None
+    lock = _lock(directory)  # a second llmgw-render on this directory waits here
+    try:
+        _apply_locked(directory, writes, removals)
+    finally:
+        os.close(lock)
+
+
+def _lock(directory: str) -> int:
+    import fcntl
+
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _apply_locked(directory: str, writes: Sequence[Change], removals: Sequence[Change]) -> None:
     staged: list[tuple[str, str]] = []
     try:
         for change in writes:
             assert change.new is not None  # noqa: S101 - CREATE and UPDATE carry text
             staged.append((_stage(directory, change.name, change.new),
                            os.path.join(directory, change.name)))
+        # Durable before the renames, so a crash never leaves an empty unit behind; one
+        # sync for all files costs a fraction of one fsync per file.
+        if staged:
+            os.sync()
     except OSError as exc:
         for temp, _ in staged:
             _unlink_quietly(temp)
@@ -127,15 +150,19 @@ def apply(directory: str, changes: Sequence[Change]) -> None:
 
 
 def _stage(directory: str, name: str, text: str) -> str:
-    fd, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=TEMP_SUFFIX, dir=directory)
+    """Write text to a temporary file beside its final name; return the temp path."""
+    temp = os.path.join(directory, f".{name}{TEMP_SUFFIX}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
-        os.fchmod(fd, 0o644)
-        data = text.encode("utf-8")
-        view = memoryview(data)
+        fd = os.open(temp, flags, 0o644)
+    except FileExistsError:  # left by a run that crashed: it was never a unit, drop it
+        os.unlink(temp)
+        fd = os.open(temp, flags, 0o644)
+    try:
+        os.fchmod(fd, 0o644)  # whatever the umask
+        view = memoryview(text.encode("utf-8"))
         while view:
             view = view[os.write(fd, view):]
-        # Durable before the rename: a crash must never leave an empty unit behind.
-        os.fdatasync(fd)
     except OSError:
         os.close(fd)
         _unlink_quietly(temp)

@@ -39,6 +39,8 @@ class Manager:
 
 @dataclass(frozen=True)
 class ServiceUnit:
+    """One member service of a shard, as data for templates/service.j2."""
+
     name: str
     description: str
     part_of: str
@@ -59,6 +61,8 @@ class ServiceUnit:
 
 @dataclass(frozen=True)
 class TargetUnit:
+    """The replica's target on this node, as data for templates/target.j2."""
+
     name: str
     description: str
     wants: tuple[str, ...]

@@ -13,25 +13,27 @@ import jinja2
 
 from . import unitsyntax
 from .plan import ShardPlan
+from .templating import COMPILED_PACKAGE_DIR, TEMPLATE_OPTIONS
 
-TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+TEMPLATE_DIR = os.path.join(PACKAGE_DIR, "templates")
+COMPILED_DIR = os.path.join(PACKAGE_DIR, COMPILED_PACKAGE_DIR)
 # The marker that makes a file ours: only files that carry it are ever pruned.
 MARKER = "# llmgw-systemd: generated unit (marker v1)"
 MARKER_LINES = 4  # the marker stands within this many lines from the top
 
 
-def make_environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
-        autoescape=False,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        undefined=jinja2.StrictUndefined,
-    )
-    env.filters["exec"] = unitsyntax.exec_line
-    env.filters["env"] = unitsyntax.env_assignment
-    env.filters["value"] = unitsyntax.plain_value
+def make_environment(template_dir: str | None = None) -> jinja2.Environment:
+    """The templates as the wheel ships them compiled (fast), or read from template_dir."""
+    loader: jinja2.BaseLoader
+    if template_dir is None and os.path.isdir(COMPILED_DIR):
+        loader = jinja2.ModuleLoader(COMPILED_DIR)
+    else:
+        loader = jinja2.FileSystemLoader(template_dir or TEMPLATE_DIR)
+    env = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined,
+                             **TEMPLATE_OPTIONS)  # type: ignore[arg-type]
+    env.filters.update(exec=unitsyntax.exec_line, env=unitsyntax.env_assignment,
+                       value=unitsyntax.plain_value)
     return env
 
 

@@ -38,6 +38,8 @@ SECRET_FLAGS = ("--api-key", "--hf-token", "--token")
 
 @dataclass(frozen=True)
 class Node:
+    """One rank's machine: the name --node matches, the address peers dial."""
+
     name: str
     address: str
 
@@ -54,6 +56,8 @@ class Command:
 
 @dataclass(frozen=True)
 class RestartPolicy:
+    """Restart=always after delay seconds; at most burst starts per interval."""
+
     delay: int = 10
     burst: int = 5
     interval: int = 1200
@@ -61,6 +65,8 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class Replica:
+    """One replica of a model across its nodes, validated."""
+
     name: str
     engine: str
     launch_mode: str | None
@@ -101,6 +107,8 @@ class Replica:
 
 @dataclass(frozen=True)
 class Spec:
+    """Every replica of every spec file given."""
+
     replicas: tuple[Replica, ...]
 
     def node_names(self) -> list[str]:
@@ -265,8 +273,7 @@ def build_spec(documents: Sequence[Document]) -> Spec:
 
 
 def _where(doc: Document, path: KeyPath) -> str:
-    line = doc.key_lines.get(path) or doc.line_of(path)
-    return f"{doc.file}:{line} ({format_path(path)})"
+    return f"{doc.file}:{doc.key_line(path)} ({format_path(path)})"
 
 
 def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
@@ -337,9 +344,9 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
                         lambda v, p: check.integer(v, p, 1, 4096, "a pipeline parallel size"), 1)
     host = check.optional(data, "host", path, _ip_reader(check, "an IP address to bind HTTP to"),
                           "0.0.0.0")  # noqa: S104 - the gateway must reach the serving rank
-    args = check.optional(data, "args", path,
+    args: tuple[str, ...] = check.optional(data, "args", path,
                           lambda v, p: check.str_list(v, p, "engine arguments"), ())
-    ray_args = check.optional(data, "ray_args", path,
+    ray_args: tuple[str, ...] = check.optional(data, "ray_args", path,
                               lambda v, p: check.str_list(v, p, "'ray start' arguments"), ())
     if ray_args and launch_mode != "ray":
         raise check.fail((*path, "ray_args"), "'ray_args' applies only to launch_mode 'ray'",
@@ -351,9 +358,9 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
                 raise check.fail((*path, key, i), f"'{flag}' would put a secret into a "
                                  "world-readable unit file; set it through environment_file "
                                  "(e.g. VLLM_API_KEY, HF_TOKEN) instead")
-    gpus = check.optional(data, "gpus", path, lambda v, p: _gpus(check, v, p), ())
-    env = check.optional(data, "env", path, lambda v, p: _env(check, v, p, engine, launch_mode,
-                                                               bool(gpus)), ())
+    gpus: tuple[str, ...] = check.optional(data, "gpus", path, lambda v, p: _gpus(check, v, p), ())
+    env: tuple[tuple[str, str], ...] = check.optional(
+        data, "env", path, lambda v, p: _env(check, v, p, engine, launch_mode, bool(gpus)), ())
     environment_file = check.optional(
         data, "environment_file", path,
         lambda v, p: check.abs_path(v, p, "an environment file"), None)
@@ -454,10 +461,10 @@ def _command(check: _Checker, raw: Any, path: KeyPath, index: int, is_engine: bo
     argv = check.str_list(check.sequence(data["argv"], (*path, "argv"), "arguments", min_len=1),
                           (*path, "argv"), "arguments")
     check.abs_path(argv[0], (*path, "argv", 0), "the executable")
-    wait_for = check.optional(data, "wait_for", path, lambda v, p: tuple(
+    wait_for: tuple[Endpoint, ...] = check.optional(data, "wait_for", path, lambda v, p: tuple(
         check.endpoint(item, (*p, i))
         for i, item in enumerate(check.sequence(v, p, "addresses HOST:PORT"))), ())
-    binds = check.optional(data, "binds", path, lambda v, p: tuple(
+    binds: tuple[int, ...] = check.optional(data, "binds", path, lambda v, p: tuple(
         check.port(item, (*p, i)) for i, item in enumerate(check.sequence(v, p, "ports"))), ())
     return Command(name, argv, wait_for, binds)
 
@@ -572,7 +579,7 @@ def _check_port_claims(replicas: list[Replica],
                 other, other_rel, other_what = claimed[key]
                 other_doc, other_base = locations[other.name]
                 owner = ("this replica" if other is replica else f"replica '{other.name}'")
-                default = ("" if (*base, *rel) in doc.value_lines else
+                default = ("" if doc.has((*base, *rel)) else
                            f" ({rel[-1]} defaults to {port} for this engine; set it)")
                 raise doc.error((*base, *rel), f"port {port} on node '{node}' is already "
                                 f"claimed by {owner} as its {other_what} port at "

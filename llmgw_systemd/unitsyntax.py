@@ -8,6 +8,7 @@ newline would start a new directive, and no escape of ours is worth the risk.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable
@@ -35,6 +36,7 @@ def _word(text: str) -> str:
     return text if BARE_WORD_RE.match(text) else _quote(text)
 
 
+@functools.lru_cache(maxsize=4096)  # flags and values repeat across units
 def exec_word(arg: str) -> str:
     """One argument of an Exec*= line."""
     _check(arg, "argument")

@@ -7,6 +7,7 @@ convert it ourselves so every error can name its line and key path.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -14,12 +15,22 @@ import yaml
 
 from .errors import SpecError
 
-try:
-    _Loader: Any = yaml.CSafeLoader
-except AttributeError:  # pragma: no cover - PyYAML built without libyaml
-    _Loader = yaml.SafeLoader
-
 KeyPath = tuple[Union[str, int], ...]
+_STR_TAG = "tag:yaml.org,2002:str"
+_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
+# First characters for which YAML 1.1 has an implicit type (int, bool, null, float, ...);
+# a plain scalar starting with anything else is a string.
+_TYPED_FIRST_CHARS = frozenset(_BaseLoader.yaml_implicit_resolvers)
+
+
+class _Loader(_BaseLoader):  # type: ignore[misc]
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:
+        # Called from libyaml for every scalar: skip the regex walk for the common case
+        # (names, paths, flags). Same answer as SafeResolver.resolve by construction.
+        if (kind is yaml.ScalarNode and implicit[0] and value
+                and value[0] not in _TYPED_FIRST_CHARS and None not in _TYPED_FIRST_CHARS):
+            return _STR_TAG
+        return super().resolve(kind, value, implicit)
 
 
 def format_path(path: KeyPath) -> str:
@@ -35,36 +46,58 @@ def format_path(path: KeyPath) -> str:
 
 @dataclass(frozen=True)
 class Document:
-    """One parsed spec file: its data and where each piece of it stands."""
+    """One parsed spec file: its data, and its YAML node tree to find lines in.
+
+    Lines are looked up only when an error is reported, so the common path pays
+    nothing for them."""
 
     file: str
     data: Any
-    value_lines: dict[KeyPath, int]
-    key_lines: dict[KeyPath, int]
+    root: Any  # yaml.Node
 
-    def line_of(self, path: KeyPath) -> int | None:
+    def _walk(self, path: KeyPath) -> tuple[Any, Any, bool]:
+        """(deepest node found along path, key node of its last step, whole path found)."""
+        node, key_node = self.root, None
+        for part in path:
+            if isinstance(node, yaml.MappingNode):
+                match = [(k, v) for k, v in node.value if k.value == part]
+                if not match:
+                    return node, None, False
+                key_node, node = match[-1]
+            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and (
+                    0 <= part < len(node.value)):
+                key_node, node = None, node.value[part]
+            else:
+                return node, None, False
+        return node, key_node, True
+
+    def has(self, path: KeyPath) -> bool:
+        """Whether the file spells out this key path (rather than leaving a default)."""
+        return self._walk(path)[2]
+
+    def line_of(self, path: KeyPath) -> int:
         """Line of the value at path, else of its nearest ancestor."""
-        while path not in self.value_lines and path:
-            path = path[:-1]
-        return self.value_lines.get(path)
+        return int(self._walk(path)[0].start_mark.line) + 1
+
+    def key_line(self, path: KeyPath) -> int:
+        """Line of the key that ends path (for 'unknown key'), else of the value."""
+        node, key_node, _ = self._walk(path)
+        return int((key_node or node).start_mark.line) + 1
 
     def error(self, path: KeyPath, message: str, *, at_key: bool = False) -> SpecError:
-        line = self.key_lines.get(path) if at_key else None
-        return SpecError(self.file, line or self.line_of(path), format_path(path), message)
+        line = self.key_line(path) if at_key else self.line_of(path)
+        return SpecError(self.file, line, format_path(path), message)
+
+
+# C0/C1 controls (newline included) and the Unicode line separators can start new
+# directives or corrupt a line; lone surrogates cannot be encoded as UTF-8.
+_FORBIDDEN_RE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff\u2028\u2029]")
 
 
 def find_control_char(text: str) -> str | None:
-    """The first character that must never reach a unit file, if any.
-
-    C0/C1 controls (newline included) and the Unicode line separators can start new
-    directives or corrupt a line; lone surrogates cannot be encoded as UTF-8.
-    """
-    for ch in text:
-        code = ord(ch)
-        if (code < 0x20 or 0x7F <= code <= 0x9F or 0xD800 <= code <= 0xDFFF
-                or code in (0x2028, 0x2029)):
-            return ch
-    return None
+    """The first character that must never reach a unit file, if any."""
+    match = _FORBIDDEN_RE.search(text)
+    return match.group() if match else None
 
 
 def describe_char(ch: str) -> str:
@@ -97,9 +130,7 @@ def parse(raw: bytes, file: str) -> Document:
         if node is None:
             raise SpecError(file, 1, "", "the file holds no document; expected a mapping with "
                             "a 'replicas' list")
-        value_lines: dict[KeyPath, int] = {}
-        key_lines: dict[KeyPath, int] = {}
-        data = _Converter(loader, file, value_lines, key_lines).convert(node, ())
+        data = _Converter(loader, file).convert(node, ())
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else None
@@ -109,54 +140,51 @@ def parse(raw: bytes, file: str) -> Document:
         raise SpecError(file, None, "", f"YAML error: {exc}") from None
     finally:
         loader.dispose()
-    return Document(file, data, value_lines, key_lines)
+    return Document(file, data, node)
 
 
 class _Converter:
-    def __init__(
-        self, loader: Any, file: str, value_lines: dict[KeyPath, int],
-        key_lines: dict[KeyPath, int],
-    ) -> None:
+    def __init__(self, loader: Any, file: str) -> None:
         self.loader = loader
         self.file = file
-        self.value_lines = value_lines
-        self.key_lines = key_lines
 
     def _fail(self, line: int, path: KeyPath, message: str) -> SpecError:
         return SpecError(self.file, line, format_path(path), message)
 
     def convert(self, node: Any, path: KeyPath) -> Any:
-        line = node.start_mark.line + 1
-        self.value_lines[path] = line
         if isinstance(node, yaml.MappingNode):
             self.loader.flatten_mapping(node)  # resolves '<<' merge keys
             result: dict[str, Any] = {}
+            key_lines: dict[str, int] = {}
             for key_node, value_node in node.value:
                 key_line = key_node.start_mark.line + 1
                 if not isinstance(key_node, yaml.ScalarNode):
                     raise self._fail(key_line, path, "a key must be a plain string")
-                key = self.loader.construct_object(key_node)
+                key = (key_node.value if key_node.tag == _STR_TAG
+                       else self.loader.construct_object(key_node))
                 if not isinstance(key, str):
                     raise self._fail(key_line, path, f"key {key!r} must be a string")
                 child = (*path, key)
                 if key in result:
-                    raise self._fail(
-                        key_line, child, f"duplicate key (first set on line "
-                        f"{self.key_lines[child]})")
-                self._check_text(key, key_line, child)
-                self.key_lines[child] = key_line
+                    raise self._fail(key_line, child, "duplicate key (first set on line "
+                                     f"{key_lines[key]})")
+                self._check_text(key, key_node, child)
+                key_lines[key] = key_line
                 result[key] = self.convert(value_node, child)
             return result
         if isinstance(node, yaml.SequenceNode):
             return [self.convert(item, (*path, i)) for i, item in enumerate(node.value)]
-        value = self.loader.construct_object(node)
+        # Plain strings are most of a spec: take them as they are; let PyYAML construct
+        # the rest (ints, bools, nulls, floats in all their YAML spellings).
+        value = node.value if node.tag == _STR_TAG else self.loader.construct_object(node)
         if isinstance(value, str):
-            self._check_text(value, line, path)
+            self._check_text(value, node, path)
         return value
 
-    def _check_text(self, text: str, line: int, path: KeyPath) -> None:
-        bad = find_control_char(text)
-        if bad is not None:
-            raise self._fail(
-                line, path, f"contains {describe_char(bad)}; values that reach unit files "
-                "must be single-line text without control characters")
+    def _check_text(self, text: str, node: Any, path: KeyPath) -> None:
+        if _FORBIDDEN_RE.search(text) is None:
+            return
+        bad = find_control_char(text) or ""
+        raise self._fail(
+            node.start_mark.line + 1, path, f"contains {describe_char(bad)}; values that "
+            "reach unit files must be single-line text without control characters")

@@ -1,0 +1,40 @@
+"""The tests exercise the installed wheel, not the source tree: a template or module
+missing from the wheel fails here first."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import llmgw_systemd
+from llmgw_systemd import render
+
+
+def test_package_is_imported_from_the_installed_wheel() -> None:
+    installed = Path(sysconfig.get_paths()["purelib"]).resolve()
+    assert installed in Path(llmgw_systemd.__file__).resolve().parents
+
+
+def test_templates_ship_inside_the_package() -> None:
+    shipped = sorted(p.name for p in Path(render.TEMPLATE_DIR).glob("*.j2"))
+    source = sorted(p.name for p in (Path(__file__).parents[1] / "templates").glob("*.j2"))
+    assert shipped == source and shipped
+
+
+def test_compiled_templates_match_their_sources() -> None:
+    """The wheel ships the templates compiled (hatch_build.py); they must give exactly
+    what the template sources in this tree give, for every node of the example spec."""
+    from llmgw_systemd.plan import Manager, plan_node
+    from llmgw_systemd.sources import read_documents
+    from llmgw_systemd.spec import build_spec
+
+    root = Path(__file__).parents[1]
+    assert Path(render.COMPILED_DIR).is_dir()
+    spec = build_spec(read_documents([str(root / "examples")]))
+    compiled, source = render.make_environment(), render.make_environment(str(root / "templates"))
+    assert type(compiled.loader).__name__ == "ModuleLoader"
+    for user in (False, True):
+        manager = Manager(user=user, wait_for_port="/usr/bin/llmgw-wait-for-port")
+        for node in spec.node_names():
+            plans = plan_node(spec, node, manager)
+            assert render.render_shards(plans, compiled) == render.render_shards(plans, source)
