@@ -10,6 +10,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from unitfile import read_env, read_exec, read_unit
 
 from llmgw_systemd.errors import SpecError, UnsafeValue
 from llmgw_systemd.plan import Manager, plan_node
@@ -17,14 +18,13 @@ from llmgw_systemd.render import render_shards
 from llmgw_systemd.spec import build_spec
 from llmgw_systemd.unitsyntax import env_assignment, exec_line, exec_word, plain_value
 from llmgw_systemd.yamldoc import find_control_char, parse
-from unitfile import read_env, read_exec, read_unit
 
 EXE = "/usr/bin/printf"
 TRICKY = ["%", "100%", "%n", "%%", "$HOME", "${HOME}", "$$", "$", "a;b", ";", "\\", "\\;",
           '"', "'", "'quoted'", '"dq"', "", " ", "two words", "é", "🦙", "\\x41", "\\n",
           "--flag=a b", "#hash", "a=b", "C:\\path\\"]
 # Text that mixes the characters systemd treats specially with everything else.
-special = st.sampled_from(list("%$\"'\\; \t\n#=@-+!:{}") + ["\u2028", "\x00", "\x7f", "🦙"])
+special = st.sampled_from([*"%$\"'\\; \t\n#=@-+!:{}", "\u2028", "\x00", "\x7f", "🦙"])
 values = st.lists(st.one_of(special, st.characters()), max_size=24).map("".join)
 
 

@@ -20,7 +20,7 @@ replicas:
     port: 30001
     nodes: [{name: n1, address: 10.0.0.1}]
 """
-ONE = TWO.split("  - name: beta")[0]
+ONE = TWO.split("  - name: beta", maxsplit=1)[0]
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_dry_run_prints_a_diff_and_writes_nothing(spec: Path, tmp_path: Path) ->
     assert f"--- {out}/llmgw-alpha-engine.service" in output
     assert "-ExecStart=/usr/local/bin/python -m sglang.launch_server --model-path /m/a " in output
     assert "+ExecStart=/usr/local/bin/python -m sglang.launch_server --model-path /m/a2 " in output
-    assert f"+++ /dev/null" in output  # beta's units would go
+    assert "+++ /dev/null" in output  # beta's units would go
     assert "would have: 0 created, 1 updated, 2 removed, 1 unchanged" in output
     assert snapshot(out) == before
 
