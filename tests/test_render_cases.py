@@ -60,3 +60,27 @@ def test_render_case(case_file: Path, tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     assert "nothing to do" in again.stdout
     assert snapshot(out) == before
+
+
+def test_bundled_example_renders_and_verifies_for_every_node(tmp_path: Path) -> None:
+    example = Path(__file__).parents[1] / "examples" / "replicas.yaml"
+    nodes = {n["name"] for r in yaml.safe_load(example.read_text())["replicas"]
+             for n in r["nodes"]}
+    for node in sorted(nodes):
+        out = tmp_path / node
+        proc = run_render("--node", node, "--output", str(out), str(example))
+        assert proc.returncode == 0, proc.stderr
+        verify_units(rendered_dir(out), tmp_path / f"verify-{node}")
+
+
+def test_node_defaults_to_this_machines_host_name(tmp_path: Path) -> None:
+    import os
+
+    host = os.uname().nodename
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("replicas:\n  - name: here\n    engine: sglang\n    model: /m\n"
+                    f"    nodes: [{{name: {host}, address: 10.0.0.1}}]\n", encoding="utf-8")
+    proc = run_render("--output", str(tmp_path / "out"), str(spec))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(rendered_dir(tmp_path / "out")) == ["llmgw-here-engine.service",
+                                                      "llmgw-here.target"]
