@@ -2,15 +2,19 @@
 
 Per replica R whose nodes include this node (DESIGN.md section 3):
 
-    llmgw-R.target            Wants= every member; `systemctl enable` hooks it to boot
+    llmgw-R.target               Wants= + Before= every member; `systemctl enable` hooks
+                                 it to boot; stop waits for every member to stop
       llmgw-R-<sidecar>.service  PartOf= target, BindsTo= engine, After= earlier sidecars
       llmgw-R-engine.service     PartOf= target, BindsTo= + After= every sidecar
+      llmgw-R-restart.service    oneshot: sleep the restart delay, then start the target
 
-BindsTo= both ways makes the death of any member stop the whole shard, and
-Restart=always on every member brings it back: the member that died restarts after
-RestartSec and pulls the others in through BindsTo= (sidecars first, by After=).
-A stop that systemd itself propagates never triggers Restart=, so only the member that
-actually died restarts, and StartLimitBurst= in [Unit] bounds the loop.
+BindsTo= both ways makes the death of any member stop the whole shard. Restart=always
+on every member brings it back: the member that died restarts after RestartSec and pulls
+the others in through BindsTo= (sidecars first, by After=); a stop that systemd itself
+propagates never triggers Restart=, and StartLimitBurst= in [Unit] bounds the loop.
+When members die together, each one's stop cancels the other's pending restart and one
+ends failed: its OnFailure= starts the restart unit, which waits the same delay and then
+starts the target again. Measured under a real systemd by tests/integration.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from .errors import UsageError
 from .spec import Replica, RestartPolicy, Spec
 
 UNIT_PREFIX = "llmgw-"
+SLEEP = "/usr/bin/sleep"  # coreutils, at this path on Debian and RHEL alike
 # A start command may run as long as its own wait plus this margin before systemd
 # kills it: TimeoutStartSec= is re-armed for each ExecStartPre=, so each wait carries
 # its own deadline and systemd's timeout is only a backstop.
@@ -57,6 +62,7 @@ class ServiceUnit:
     success_exit_status: tuple[int, ...]
     notify_status: bool  # a start step reports STATUS= to systemd
     hardening: bool
+    on_failure: str  # the shard's restart unit
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,16 @@ class TargetUnit:
     description: str
     wants: tuple[str, ...]
     wanted_by: str
+
+
+@dataclass(frozen=True)
+class RestartUnit:
+    """Starts the target again, delay seconds after a member ended failed."""
+
+    name: str
+    description: str
+    target: str
+    sleep_argv: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -81,10 +97,11 @@ class ShardPlan:
     serves_http: bool
     target: TargetUnit
     services: tuple[ServiceUnit, ...]
+    restart: RestartUnit
 
     @property
     def unit_names(self) -> tuple[str, ...]:
-        return (self.target.name, *(s.name for s in self.services))
+        return (self.target.name, *(s.name for s in self.services), self.restart.name)
 
 
 def target_name(replica: str) -> str:
@@ -93,6 +110,10 @@ def target_name(replica: str) -> str:
 
 def service_name(replica: str, step: str) -> str:
     return f"{UNIT_PREFIX}{replica}-{step}.service"
+
+
+def restart_unit_name(replica: str) -> str:
+    return f"{UNIT_PREFIX}{replica}-restart.service"
 
 
 def plan_node(spec: Spec, node: str, manager: Manager, *, allow_empty: bool = False
@@ -113,6 +134,7 @@ def plan_node(spec: Spec, node: str, manager: Manager, *, allow_empty: bool = Fa
 def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
     steps = shard_steps(replica, rank)
     target = target_name(replica.name)
+    restarter = restart_unit_name(replica.name)
     names = [service_name(replica.name, step.name) for step in steps]
     engine = names[-1]
     sidecars = tuple(names[:-1])
@@ -146,6 +168,7 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             success_exit_status=step.clean_exit_statuses,
             notify_status=bool(pre),
             hardening=not manager.user,
+            on_failure=restarter,
         ))
     role = "leader" if rank == 0 else "worker"
     http = f", serves HTTP on port {replica.port}" if serves else ""
@@ -159,6 +182,11 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             wanted_by="default.target" if manager.user else "multi-user.target",
         ),
         services=tuple(services),
+        restart=RestartUnit(
+            name=restarter,
+            description=f"llmgw {replica.name} {place}: restart after members died together",
+            target=target, sleep_argv=(SLEEP, str(replica.restart.delay)),
+        ),
     )
 
 

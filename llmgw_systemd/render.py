@@ -53,12 +53,15 @@ def render_shards(plans: Iterable[ShardPlan], env: jinja2.Environment | None = N
     env = env or make_environment()
     service = env.get_template("service.j2")
     target = env.get_template("target.j2")
+    restart = env.get_template("restart.j2")
     out: dict[str, str] = {}
     for plan in plans:
         out[plan.target.name] = target.render(unit=plan.target,
                                               header=header(plan, plan.target.name))
         for unit in plan.services:
             out[unit.name] = service.render(unit=unit, header=header(plan, unit.name))
+        out[plan.restart.name] = restart.render(unit=plan.restart,
+                                                header=header(plan, plan.restart.name))
     return out
 
 

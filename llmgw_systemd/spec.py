@@ -520,7 +520,7 @@ def _restart(check: _Checker, raw: Any, path: KeyPath) -> RestartPolicy:
     base = RestartPolicy()
     policy = RestartPolicy(
         delay=check.optional(data, "delay", path, lambda v, p: check.integer(
-            v, p, 0, 86400, "seconds between a failure and the restart"), base.delay),
+            v, p, 1, 86400, "seconds between a failure and the restart"), base.delay),
         burst=check.optional(data, "burst", path, lambda v, p: check.integer(
             v, p, 1, 1000, "starts allowed within the interval"), base.burst),
         interval=check.optional(data, "interval", path, lambda v, p: check.integer(

@@ -5,15 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from installed import RENDER, WAIT_FOR_PORT
 from unitfile import read_exec, read_unit
 
-BIN_DIR = Path(sys.executable).parent
-RENDER = str(BIN_DIR / "llmgw-render")
-WAIT_FOR_PORT = str(BIN_DIR / "llmgw-wait-for-port")
+__all__ = ["RENDER", "WAIT_FOR_PORT"]
+
 SYSTEM_UNITS = Path("/usr/lib/systemd/system")
 
 

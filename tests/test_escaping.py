@@ -92,7 +92,7 @@ def _render_spec(args: list[str], env: dict[str, str]) -> dict[str, str]:
     text = yaml.safe_dump({"replicas": [{
         "name": "p", "engine": "vllm", "launch_mode": "mp", "model": "/m",
         "args": args, "env": env, "nodes": [{"name": "n1", "address": "10.0.0.1"}]}]},
-        allow_unicode=True)
+        allow_unicode=True, default_style='"')  # every value escaped: YAML keeps it as is
     spec = build_spec([parse(text.encode("utf-8"), "spec.yaml")])
     manager = Manager(user=False, wait_for_port="/usr/bin/llmgw-wait-for-port")
     return render_shards(plan_node(spec, "n1", manager))

@@ -82,5 +82,5 @@ def test_node_defaults_to_this_machines_host_name(tmp_path: Path) -> None:
                     f"    nodes: [{{name: {host}, address: 10.0.0.1}}]\n", encoding="utf-8")
     proc = run_render("--output", str(tmp_path / "out"), str(spec))
     assert proc.returncode == 0, proc.stderr
-    assert sorted(rendered_dir(tmp_path / "out")) == ["llmgw-here-engine.service",
-                                                      "llmgw-here.target"]
+    assert sorted(rendered_dir(tmp_path / "out")) == [
+        "llmgw-here-engine.service", "llmgw-here-restart.service", "llmgw-here.target"]

@@ -1,0 +1,80 @@
+"""Fixtures for the integration tier: real systemd user managers, one per node."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from systemd_harness import UserManager, list_netns, make_network, remove_network
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Iterator[None]:
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+def _failed(request: pytest.FixtureRequest) -> bool:
+    report = getattr(request.node, "report_call", None)
+    return report is None or report.failed
+
+
+class Nodes:
+    """The managers of one test, by node name, with their network when they have one."""
+
+    def __init__(self, managers: dict[str, UserManager]) -> None:
+        self.managers = managers
+
+    def __getitem__(self, node: str) -> UserManager:
+        return self.managers[node]
+
+    def address(self, node: str) -> str:
+        ns = self.managers[node].netns
+        return ns.address if ns else "127.0.0.1"
+
+
+@pytest.fixture
+def one_node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[UserManager]:
+    """One manager in the host's network namespace (talks to loopback only)."""
+    manager = UserManager(f"llmgw-test-{os.getpid()}-{abs(hash(request.node.nodeid)) % 10**6}",
+                          tmp_path / "node")
+    manager.start()
+    try:
+        yield manager
+    finally:
+        if _failed(request):
+            print(manager.dump())
+        manager.stop()
+
+
+@pytest.fixture
+def two_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Nodes]:
+    """Two managers, each in its own network namespace, joined by a bridge:
+    node-a at 192.0.2.1 and node-b at 192.0.2.2."""
+    tag = f"{os.getpid() % 10000}{abs(hash(request.node.nodeid)) % 100}"
+    managers: dict[str, UserManager] = {}
+    try:
+        network = make_network(tag, 2)
+        for name, ns in zip(("node-a", "node-b"), network):
+            manager = UserManager(f"llmgw-test-{tag}-{name}", tmp_path / name, netns=ns)
+            managers[name] = manager
+            manager.start()
+        yield Nodes(managers)
+    finally:
+        if _failed(request):
+            for manager in managers.values():
+                print(manager.dump())
+        errors = []
+        for manager in managers.values():
+            try:
+                manager.stop()
+            except AssertionError as exc:
+                errors.append(str(exc))
+        remove_network(tag)
+        assert not [n for n in list_netns() if n.startswith(f"llmgw-{tag}-")]
+        assert not errors, errors

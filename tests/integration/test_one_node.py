@@ -1,0 +1,237 @@
+"""The unit graph under a real systemd, on one node (DESIGN.md sections 1 and 3):
+crashes take the whole shard down and bring it back, the restart budget ends a crash
+loop, stop leaves nothing behind, a stale port holder fails the shard cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from specs import free_port, one_node_shard
+
+from systemd_harness import UserManager, pid_alive, port_is_free, wait_until
+
+pytestmark = pytest.mark.integration
+
+TARGET, HEAD, ENGINE = "llmgw-shard.target", "llmgw-shard-head.service", "llmgw-shard-engine.service"
+
+
+def http_ok(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:  # noqa: S310
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+class Shard:
+    """The stand-in shard on one manager: a head sidecar and a serving member."""
+
+    def __init__(self, manager: UserManager, tmp: Path, **policy: int) -> None:
+        self.manager = manager
+        self.http, self.head = free_port(), free_port()
+        self.pid_file = tmp / "head.pids"
+        self.spec = one_node_shard(tmp / "spec.yaml", name="shard", http=self.http,
+                                   head=self.head, pid_file=self.pid_file, **policy)
+        manager.render(self.spec, "node")
+
+    def start(self) -> None:
+        self.pid_file.unlink(missing_ok=True)
+        self.manager.systemctl("start", TARGET)
+        self.wait_up()
+
+    def wait_up(self, timeout: float = 30) -> None:
+        self.manager.wait_state(HEAD, "active", timeout)
+        self.manager.wait_state(ENGINE, "active", timeout)
+        wait_until(lambda: http_ok(self.http), timeout, "the shard to answer HTTP")
+
+    def pids(self) -> tuple[int, int]:
+        """(head main PID, PID of the head's daemonized child)."""
+        text = wait_until(lambda: self.pid_file.exists() and self.pid_file.read_text(), 10,
+                          "the head's PID file")
+        main, daemon = text.split()
+        return int(main), int(daemon)
+
+    def main_pid(self, unit: str) -> int:
+        return int(self.manager.show(unit, "MainPID")["MainPID"])
+
+    def timestamp(self, unit: str, which: str) -> int:
+        key = f"{which}TimestampMonotonic"
+        return int(self.manager.show(unit, key)[key])
+
+    def wait_down(self, timeout: float = 10) -> None:
+        """Both members out of active, and no process left in either: the window of
+        the restart delay, whichever of systemd's paths brings the shard back."""
+        wait_until(lambda: all(self.manager.state_of(u)[0] != "active" and
+                               not self.manager.unit_pids(u) for u in (HEAD, ENGINE)),
+                   timeout, "the whole shard to be down")
+
+    def assert_nothing_left(self, daemon_pid: int) -> None:
+        for unit in (HEAD, ENGINE):
+            assert self.manager.unit_pids(unit) == set(), f"{unit} left processes"
+        assert not pid_alive(daemon_pid), "the head's daemonized child survived"
+
+
+def test_sidecar_death_restarts_the_whole_shard(one_node: UserManager, tmp_path: Path) -> None:
+    shard = Shard(one_node, tmp_path, delay=3)
+    shard.start()
+    head_pid, daemon_pid = shard.pids()
+    engine_pid = shard.main_pid(ENGINE)
+
+    os.kill(head_pid, signal.SIGKILL)
+
+    # The engine loses its head and exits too; either way the whole shard goes down.
+    shard.wait_down()
+    shard.assert_nothing_left(daemon_pid)
+
+    shard.wait_up()
+    assert shard.main_pid(ENGINE) != engine_pid and shard.pids()[0] != head_pid
+    assert shard.timestamp(HEAD, "ActiveEnter") < shard.timestamp(ENGINE, "ActiveEnter")
+
+
+def test_engine_death_restarts_the_whole_shard(one_node: UserManager, tmp_path: Path) -> None:
+    shard = Shard(one_node, tmp_path, delay=3)
+    shard.start()
+    head_pid, daemon_pid = shard.pids()
+
+    os.kill(shard.main_pid(ENGINE), signal.SIGKILL)
+
+    shard.wait_down()  # BindsTo= took the sidecar down
+    shard.assert_nothing_left(daemon_pid)
+    assert one_node.show(ENGINE, "Result")["Result"] == "signal"
+
+    shard.wait_up()
+    assert shard.pids()[0] != head_pid
+    assert shard.timestamp(HEAD, "ActiveEnter") < shard.timestamp(ENGINE, "ActiveEnter")
+
+
+def test_restart_budget_ends_a_crash_loop(one_node: UserManager, tmp_path: Path) -> None:
+    shard = Shard(one_node, tmp_path, delay=1, burst=3, interval=300)
+    shard.start()
+    kills = 0
+    while True:
+        state = {u: one_node.show(u, "ActiveState", "Result") for u in (HEAD, ENGINE)}
+        if any(s["ActiveState"] == "failed" for s in state.values()):
+            break
+        assert kills < 10, f"no end to the restarts after {kills} kills: {state}"
+        if state[ENGINE]["ActiveState"] == "active":
+            pid = shard.main_pid(ENGINE)
+            os.kill(pid, signal.SIGKILL)
+            kills += 1
+            wait_until(lambda p=pid: shard.main_pid(ENGINE) != p, 10, "the engine to die")
+        wait_until(lambda: any(one_node.show(u, "ActiveState")["ActiveState"] in
+                               ("active", "failed") for u in (ENGINE, HEAD)) and
+                   one_node.show(ENGINE, "ActiveState")["ActiveState"] != "activating",
+                   30, "the shard to come back or give up")
+    # burst=3 allows three starts of each unit: the first and two restarts.
+    assert kills == 3
+    failed = {u: s for u, s in state.items() if s["ActiveState"] == "failed"}
+    assert [s["Result"] for s in failed.values()] == ["start-limit-hit"], state
+    status = one_node.systemctl("status", *failed, check=False).stdout
+    assert "start-limit-hit" in status
+    # It stays down: nothing restarts it any more, for several restart delays.
+    before = {u: one_node.show(u, "NRestarts", "ActiveState") for u in (HEAD, ENGINE)}
+    try:
+        wait_until(lambda: any(one_node.state_of(u)[0] in ("active", "activating")
+                               for u in (HEAD, ENGINE)), 5, "a restart that must not come")
+        raise AssertionError("the shard restarted after its budget ran out")
+    except AssertionError as exc:
+        if "must not come" not in str(exc):
+            raise
+    assert {u: one_node.show(u, "NRestarts", "ActiveState") for u in (HEAD, ENGINE)} == before
+
+
+def test_stop_leaves_every_unit_inactive_and_nothing_running(
+        one_node: UserManager, tmp_path: Path) -> None:
+    shard = Shard(one_node, tmp_path)
+    shard.start()
+    _, daemon_pid = shard.pids()
+
+    one_node.systemctl("stop", TARGET)
+
+    assert one_node.state_of(TARGET)[0] == "inactive"
+    for unit in (HEAD, ENGINE):
+        info = one_node.show(unit, "ActiveState", "Result")
+        assert info == {"ActiveState": "inactive", "Result": "success"}, (unit, info)
+    # reverse start order: the engine went first, then the sidecar it depends on
+    assert shard.timestamp(ENGINE, "InactiveEnter") <= shard.timestamp(HEAD, "InactiveEnter")
+    shard.assert_nothing_left(daemon_pid)
+    assert port_is_free(shard.head) and port_is_free(shard.http)
+
+    shard.start()  # the same ports, straight away
+    assert http_ok(shard.http)
+
+
+def test_stale_port_holder_fails_the_sidecar_naming_the_port(
+        one_node: UserManager, tmp_path: Path) -> None:
+    shard = Shard(one_node, tmp_path, delay=2, burst=10, interval=600)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import socket, time\n"
+        f"s = socket.create_server(('127.0.0.1', {shard.head}))\n"
+        "print('holding', flush=True)\n"
+        "time.sleep(120)\n")], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"holding\n"
+        one_node.systemctl("start", "--no-block", TARGET)
+        head = one_node.wait_state(HEAD, "activating", 20, sub="auto-restart")
+        assert head["Result"] == "exit-code"
+        assert (f"gave up after 3 s waiting for 0.0.0.0:{shard.head} to be free "
+                "(0.0.0.0:" in head["StatusText"])
+        assert not shard.pid_file.exists(), "a second head started"
+        assert one_node.state_of(ENGINE)[0] != "active"
+        with socket.create_connection(("127.0.0.1", shard.head), timeout=2):
+            pass  # the port still belongs to the holder alone
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    shard.wait_up(timeout=60)  # retried under the restart policy once the port is free
+
+
+def test_members_dying_together_still_bring_the_shard_back(
+        one_node: UserManager, tmp_path: Path) -> None:
+    """Killed at once, each member's stop cancels the other's restart (BindsTo=); the
+    restart unit, started by OnFailure=, brings the shard back all the same."""
+    shard = Shard(one_node, tmp_path, delay=2, burst=10, interval=600)
+    shard.start()
+    for _ in range(3):
+        head_pid, daemon_pid = shard.pids()
+        engine_pid = shard.main_pid(ENGINE)
+        os.kill(head_pid, signal.SIGKILL)
+        os.kill(engine_pid, signal.SIGKILL)
+        shard.wait_down()
+        shard.assert_nothing_left(daemon_pid)
+        shard.pid_file.unlink()
+        shard.wait_up(timeout=30)
+        assert shard.timestamp(HEAD, "ActiveEnter") < shard.timestamp(ENGINE, "ActiveEnter")
+
+
+def test_a_stop_never_brings_the_shard_back(one_node: UserManager, tmp_path: Path) -> None:
+    """An engine that exits non-zero on SIGTERM ends failed when stopped; its
+    OnFailure= must not then start the replica again."""
+    shard = Shard.__new__(Shard)
+    shard.manager, shard.http, shard.head = one_node, free_port(), free_port()
+    shard.pid_file = tmp_path / "head.pids"
+    shard.spec = one_node_shard(tmp_path / "spec.yaml", name="shard", http=shard.http,
+                                head=shard.head, pid_file=shard.pid_file, delay=1,
+                                engine_exit_on_term=3)
+    one_node.render(shard.spec, "node")
+    shard.start()
+
+    one_node.systemctl("stop", TARGET)  # returns once every member has stopped
+
+    assert one_node.show(ENGINE, "ActiveState", "Result") == {
+        "ActiveState": "failed", "Result": "exit-code"}
+    try:  # several restart delays: nothing may start
+        wait_until(lambda: any(one_node.state_of(u)[0] in ("active", "activating")
+                               for u in (TARGET, HEAD, ENGINE)), 4, "a start that must not come")
+        raise AssertionError("the stopped replica came back")
+    except AssertionError as exc:
+        if "must not come" not in str(exc):
+            raise
+    assert port_is_free(shard.head) and port_is_free(shard.http)

@@ -1,0 +1,63 @@
+#!/usr/bin/python3
+"""Stand-in for a rank that joins the rendezvous head (a Ray worker, a headless vLLM
+rank): connects to HOST:PORT and stays up while the connection lasts; exits 1 when the
+head goes away, as a worker that lost its head does. Optionally serves HTTP (/health,
+/v1/models) once joined, as a serving rank does.
+
+    member.py --join HOST:PORT [--http-port P] [--http-host H] [--exit-on-term N]
+"""
+
+import argparse
+import json
+import signal
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/health":
+            body = b""
+        elif self.path == "/v1/models":
+            body = json.dumps({"object": "list", "data": [{"id": "stand-in"}]}).encode()
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--join", required=True)
+    parser.add_argument("--http-port", type=int)
+    parser.add_argument("--http-host", default="0.0.0.0")  # noqa: S104
+    parser.add_argument("--exit-on-term", type=int,
+                        help="exit with this status on SIGTERM (some engines exit non-zero)")
+    args = parser.parse_args()
+    if args.exit_on_term is not None:
+        status = args.exit_on_term
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(status))
+    host, _, port = args.join.rpartition(":")
+    conn = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
+    conn.settimeout(None)
+    print(f"joined {args.join}", flush=True)
+    if args.http_port:
+        server = ThreadingHTTPServer((args.http_host, args.http_port), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        print(f"serving HTTP on {args.http_host}:{args.http_port}", flush=True)
+    while conn.recv(4096):
+        pass
+    print(f"lost {args.join}", flush=True)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

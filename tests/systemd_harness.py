@@ -1,0 +1,334 @@
+"""A real systemd user manager per test node, optionally in its own network namespace
+(DESIGN.md section 6), and helpers to drive it.
+
+Each manager runs under `unshare -m` with a tmpfs /run, its own cgroup subtree in every
+systemd hierarchy, and private XDG dirs; `tests/harness/user-manager` sets it up. Nodes
+are network namespaces joined by a veth pair, addressed from TEST-NET-1 (192.0.2.0/24),
+which is never routed anywhere. Everything is stopped by PID and checked gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from installed import RENDER
+
+HERE = Path(__file__).parent
+USER_MANAGER = HERE / "harness" / "user-manager"
+STANDINS = HERE / "standins"
+CGROUP_ROOTS = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]
+T = TypeVar("T")
+
+
+class HarnessError(AssertionError):
+    """The harness could not do what a test needs: a failure, never a skip."""
+
+
+def wait_until(check: Callable[[], T], timeout: float, what: str,
+               interval: float = 0.1) -> T:
+    """Poll check() until it returns something truthy; bounded by timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def cgroup_roots() -> list[Path]:
+    roots = [r for r in CGROUP_ROOTS if (r / "cgroup.procs").exists()]
+    if not roots and Path("/sys/fs/cgroup/cgroup.procs").exists():
+        roots = [Path("/sys/fs/cgroup")]
+    return roots
+
+
+def cgroup_pids(relative: str) -> set[int]:
+    """PIDs in a cgroup and its children, in every hierarchy the manager uses."""
+    pids: set[int] = set()
+    for root in cgroup_roots():
+        base = root / relative.lstrip("/")
+        if not base.exists():
+            continue
+        for procs in base.rglob("cgroup.procs"):
+            try:
+                pids.update(int(p) for p in procs.read_text().split())
+            except OSError:
+                pass
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def port_is_free(port: int, host: str = "0.0.0.0", netns: str | None = None) -> bool:  # noqa: S104
+    """Whether a listener could bind host:port (in netns, when given)."""
+    if netns is None:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return False
+            return True
+    code = ("import socket,sys\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET,"
+            f"socket.SO_REUSEADDR,1)\ntry: s.bind(({host!r},{port}))\n"
+            "except OSError: sys.exit(1)")
+    return subprocess.run(["ip", "netns", "exec", netns, "/usr/bin/python3", "-c", code],
+                          check=False, timeout=10).returncode == 0
+
+
+@dataclass
+class Netns:
+    """A network namespace with loopback up and one veth end, addressed."""
+
+    name: str
+    address: str
+
+    def exec(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ip", "netns", "exec", self.name, *argv], capture_output=True,
+                              text=True, timeout=30, check=False)
+
+
+def _ip(*args: str) -> None:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10,
+                          check=False)
+    if proc.returncode != 0:
+        raise HarnessError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+
+
+def make_network(tag: str, count: int) -> list[Netns]:
+    """count namespaces on one bridge-less link: two ends of a veth pair (count == 2) or a
+    bridge namespace joining them (count > 2)."""
+    nodes = [Netns(f"llmgw-{tag}-{i}", f"192.0.2.{i + 1}") for i in range(count)]
+    for ns in nodes:
+        _ip("netns", "add", ns.name)
+        _ip("-n", ns.name, "link", "set", "lo", "up")
+    if count == 1:
+        return nodes
+    hub = f"llmgw-{tag}-hub"
+    _ip("netns", "add", hub)
+    _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+    _ip("-n", hub, "link", "set", "br0", "up")
+    for i, ns in enumerate(nodes):
+        _ip("link", "add", f"lg{tag}{i}a", "type", "veth", "peer", "name", f"lg{tag}{i}b")
+        _ip("link", "set", f"lg{tag}{i}a", "netns", ns.name)
+        _ip("link", "set", f"lg{tag}{i}b", "netns", hub)
+        _ip("-n", ns.name, "link", "set", f"lg{tag}{i}a", "name", "eth0")
+        _ip("-n", ns.name, "addr", "add", f"{ns.address}/24", "dev", "eth0")
+        _ip("-n", ns.name, "link", "set", "eth0", "up")
+        _ip("-n", hub, "link", "set", f"lg{tag}{i}b", "master", "br0")
+        _ip("-n", hub, "link", "set", f"lg{tag}{i}b", "up")
+    return nodes
+
+
+def remove_network(tag: str) -> None:
+    for name in list_netns():
+        if name.startswith(f"llmgw-{tag}-"):
+            subprocess.run(["ip", "netns", "del", name], check=False, timeout=10)
+    leftover = [n for n in list_netns() if n.startswith(f"llmgw-{tag}-")]
+    if leftover:
+        raise HarnessError(f"network namespaces left behind: {leftover}")
+
+
+def list_netns() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                         check=False, timeout=10).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+@dataclass
+class UserManager:
+    """One systemd --user manager, private to a test node."""
+
+    name: str  # also its cgroup name
+    state: Path
+    netns: Netns | None = None
+    pid: int = 0
+    _process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def runtime(self) -> Path:
+        return self.state / "runtime"
+
+    @property
+    def unit_dir(self) -> Path:
+        return self.state / "config" / "systemd" / "user"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state / "logs"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime),
+                "DBUS_SESSION_BUS_ADDRESS": f"unix:path={self.runtime}/bus",
+                "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0"}
+
+    def start(self) -> None:
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(exist_ok=True)
+        self._write_log_dropin()
+        argv = ["unshare", "-m", "--propagation", "private", str(USER_MANAGER), self.name,
+                str(self.state)]
+        if self.netns is not None:
+            argv = ["nsenter", f"--net=/run/netns/{self.netns.name}", *argv]
+        log = (self.state / "manager.log").open("wb")
+        self._process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pid = self._process.pid  # unshare execs the script, which execs systemd
+        try:
+            wait_until(lambda: self._process is not None and (
+                self._process.poll() is not None or self._ready()), 20,
+                f"user manager {self.name}")
+        except AssertionError:
+            self.stop()
+            raise HarnessError(f"user manager {self.name} did not come up:\n"
+                               f"{(self.state / 'manager.log').read_text(errors='replace')}")
+        if self._process.poll() is not None:
+            raise HarnessError(f"user manager {self.name} exited:\n"
+                               f"{(self.state / 'manager.log').read_text(errors='replace')}")
+
+    def _ready(self) -> bool:
+        if not (self.runtime / "systemd" / "private").exists():
+            return False
+        proc = self.systemctl("is-system-running", check=False)
+        return proc.stdout.strip() in ("running", "degraded", "offline")
+
+    def _write_log_dropin(self) -> None:
+        """Each unit's output to a file: these managers have no journal. A prefix drop-in
+        ('llmgw-.service.d') reaches every unit we render without touching them."""
+        dropin = self.unit_dir / "llmgw-.service.d"
+        dropin.mkdir(parents=True, exist_ok=True)
+        (dropin / "50-test-logs.conf").write_text(
+            f"[Service]\nStandardOutput=append:{self.log_dir}/%n.log\nStandardError=inherit\n")
+
+    def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(["systemctl", "--user", "--no-pager", *args],
+                              capture_output=True, text=True, env=self.env, timeout=60,
+                              check=False, stdin=subprocess.DEVNULL)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"systemctl --user {' '.join(args)} failed "
+                                 f"({proc.returncode}): {proc.stderr.strip()}")
+        return proc
+
+    def render(self, spec: Path, node: str, *extra: str) -> str:
+        proc = subprocess.run([RENDER, "--user", "--node", node, "--output", str(self.unit_dir),
+                               *extra, str(spec)], capture_output=True, text=True, timeout=60,
+                              check=False, stdin=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            raise AssertionError(f"llmgw-render failed: {proc.stderr}")
+        self.systemctl("daemon-reload")
+        return proc.stdout
+
+    def show(self, unit: str, *props: str) -> dict[str, str]:
+        out = self.systemctl("show", unit, *(f"--property={p}" for p in props)).stdout
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def state_of(self, unit: str) -> tuple[str, str]:
+        info = self.show(unit, "ActiveState", "SubState")
+        return info["ActiveState"], info["SubState"]
+
+    def wait_state(self, unit: str, active: str | Iterable[str], timeout: float = 30,
+                   sub: str | None = None) -> dict[str, str]:
+        wanted = {active} if isinstance(active, str) else set(active)
+
+        def check() -> dict[str, str] | None:
+            info = self.show(unit, "ActiveState", "SubState", "Result", "StatusText",
+                             "NRestarts", "MainPID")
+            ok = info["ActiveState"] in wanted and (sub is None or info["SubState"] == sub)
+            return info if ok else None
+
+        return wait_until(check, timeout, f"{unit} to be {'/'.join(wanted)}"
+                          f"{'/' + sub if sub else ''} on {self.name}")
+
+    def unit_pids(self, unit: str) -> set[int]:
+        group = self.show(unit, "ControlGroup")["ControlGroup"]
+        return cgroup_pids(group) if group else set()
+
+    def llmgw_units(self) -> list[str]:
+        out = self.systemctl("list-units", "--all", "--plain", "--no-legend", "llmgw-*").stdout
+        return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+    def dump(self) -> str:
+        """What a failing test should show: unit status and each unit's output."""
+        parts = [f"===== {self.name}: systemctl --user status llmgw-*",
+                 self.systemctl("status", "--full", "--lines=0", "llmgw-*",
+                                check=False).stdout]
+        for log in sorted(self.log_dir.glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-40:]
+            parts.append(f"===== {self.name}: {log.name} (last {len(lines)} lines)")
+            parts.extend(lines)
+        return "\n".join(parts)
+
+    def stop_all_units(self) -> None:
+        units = self.llmgw_units()
+        targets = [u for u in units if u.endswith(".target")]
+        if targets:
+            self.systemctl("stop", *targets, check=False)
+        if units:
+            self.systemctl("stop", *units, check=False)
+            self.systemctl("reset-failed", *units, check=False)
+
+    def stop(self) -> None:
+        """Stop the manager by PID and check that nothing it ran is left."""
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            try:
+                self.stop_all_units()
+            except Exception:  # noqa: BLE001, S110 - best effort; the kill below is the rule
+                pass
+            self._process.send_signal(signal.SIGTERM)
+            try:
+                self._process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(timeout=10)
+        self._process = None
+        leftover = cgroup_pids(self.name)
+        for pid in leftover:  # should be none; kill so one bad test does not poison others
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if leftover:
+            wait_until(lambda: not cgroup_pids(self.name), 10, "leftover processes to die")
+        self._remove_cgroups()
+        if leftover:
+            raise AssertionError(f"processes left behind by manager {self.name}: "
+                                 f"{sorted(leftover)}")
+
+    def _remove_cgroups(self) -> None:
+        for root in cgroup_roots():
+            base = root / self.name
+            if not base.exists():
+                continue
+            for directory, _, _ in os.walk(base, topdown=False):  # children first
+                os.rmdir(directory)
+            if base.exists():
+                raise AssertionError(f"cgroup {base} left behind")
+
+
+def read_json(path: Path, timeout: float = 20) -> dict[str, object]:
+    wait_until(path.exists, timeout, f"{path} to be written")
+    data: dict[str, object] = json.loads(path.read_text(encoding="utf-8"))
+    return data
