@@ -14,6 +14,10 @@ from .spec import Replica
 # ray start --block exits 1 when systemd stops it with SIGTERM (DESIGN.md section 3);
 # counting 1 as clean keeps a plain `systemctl stop` from leaving the unit failed.
 RAY_CLEAN_EXIT = (1,)
+# vllm serve turns SIGTERM into KeyboardInterrupt; in a process that has joined Ray
+# (whose own handlers are installed) that ends in exit status 1, measured with a
+# stand-in running the same code path under ray 2.60. Unconfirmed on real vLLM.
+VLLM_ON_RAY_CLEAN_EXIT = (1,)
 # Ray puts AF_UNIX sockets under <temp-dir>/session_<date>_<pid>/sockets/<name>,
 # and sun_path holds 107 bytes: the temp dir must stay short.
 RAY_TEMP_DIR_MAX = 40
@@ -32,14 +36,17 @@ class Step:
     clean_exit_statuses: tuple[int, ...] = ()
 
 
-def ray_temp_dir(replica_name: str) -> str:
-    plain = f"/tmp/ray-{replica_name}"  # noqa: S108 - Ray's own default root is /tmp/ray
+def ray_temp_dir(replica_name: str, rank: int) -> str:
+    """A Ray session root per replica and rank: two Ray nodes sharing one (two replicas
+    on a node, or two ranks on one test machine) break each other (DESIGN.md 3)."""
+    plain = f"/tmp/ray-{replica_name}-{rank}"  # noqa: S108 - Ray's own default root is /tmp/ray
     if len(plain) <= RAY_TEMP_DIR_MAX:
         return plain
     import hashlib  # only for long names
 
     digest = hashlib.sha256(replica_name.encode()).hexdigest()[:8]
-    return f"/tmp/ray-{replica_name[:RAY_TEMP_DIR_MAX - 18]}-{digest}"  # noqa: S108
+    keep = RAY_TEMP_DIR_MAX - len(f"/tmp/ray--{digest}-{rank}")  # noqa: S108
+    return f"/tmp/ray-{replica_name[:keep]}-{digest}-{rank}"  # noqa: S108
 
 
 def _wildcard(address: str) -> str:
@@ -78,7 +85,7 @@ def _vllm_ray_steps(replica: Replica, rank: int) -> tuple[Step, ...]:
     address = replica.nodes[rank].address
     head = _rendezvous(replica)
     host_ip = ("VLLM_HOST_IP", address)
-    ray_common = (f"--node-ip-address={address}", f"--temp-dir={ray_temp_dir(replica.name)}",
+    ray_common = (f"--node-ip-address={address}", f"--temp-dir={ray_temp_dir(replica.name, rank)}",
                   "--disable-usage-stats", *replica.ray_args, "--block")
     if rank > 0:
         return (Step(
@@ -88,7 +95,8 @@ def _vllm_ray_steps(replica: Replica, rank: int) -> tuple[Step, ...]:
         ),)
     ray_head = Step(
         name="ray-head", role=f"Ray head on port {head.port}",
-        argv=(_bin(replica, "ray"), "start", "--head", f"--port={head.port}", *ray_common),
+        argv=(_bin(replica, "ray"), "start", "--head", f"--port={head.port}",
+              *ray_common[:-1], *replica.ray_head_args, "--block"),
         frees=(Endpoint(_wildcard(address), head.port),), env=(host_ip,),
         clean_exit_statuses=RAY_CLEAN_EXIT,
     )
@@ -98,6 +106,7 @@ def _vllm_ray_steps(replica: Replica, rank: int) -> tuple[Step, ...]:
               *_parallel_args(replica), "--distributed-executor-backend", "ray",
               *replica.args),
         wait_for=(head,), env=(host_ip, ("RAY_ADDRESS", str(head))),
+        clean_exit_statuses=VLLM_ON_RAY_CLEAN_EXIT,
     )
     return (ray_head, server)
 

@@ -85,6 +85,7 @@ class Replica:
     environment_file: str | None
     args: tuple[str, ...]
     ray_args: tuple[str, ...]
+    ray_head_args: tuple[str, ...]
     user: str | None
     virtualenv: str
     restart: RestartPolicy
@@ -122,7 +123,7 @@ COMMON_KEYS = (
 )
 ENGINE_KEYS = {
     "vllm": ("launch_mode", "model", "tensor_parallel_size", "pipeline_parallel_size",
-             "rendezvous_port", "args", "virtualenv", "host", "ray_args"),
+             "rendezvous_port", "args", "virtualenv", "host", "ray_args", "ray_head_args"),
     "sglang": ("model", "tensor_parallel_size", "pipeline_parallel_size", "rendezvous_port",
                "args", "virtualenv", "host"),
     "command": ("ranks", "serving_rank"),
@@ -348,10 +349,15 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
                           lambda v, p: check.str_list(v, p, "engine arguments"), ())
     ray_args: tuple[str, ...] = check.optional(data, "ray_args", path,
                               lambda v, p: check.str_list(v, p, "'ray start' arguments"), ())
-    if ray_args and launch_mode != "ray":
-        raise check.fail((*path, "ray_args"), "'ray_args' applies only to launch_mode 'ray'",
-                         at_key=True)
-    for key, values in (("args", args), ("ray_args", ray_args)):
+    ray_head_args: tuple[str, ...] = check.optional(
+        data, "ray_head_args", path,
+        lambda v, p: check.str_list(v, p, "'ray start --head' arguments"), ())
+    for key in ("ray_args", "ray_head_args"):
+        if key in data and launch_mode != "ray":
+            raise check.fail((*path, key), f"'{key}' applies only to launch_mode 'ray'",
+                             at_key=True)
+    for key, values in (("args", args), ("ray_args", ray_args),
+                        ("ray_head_args", ray_head_args)):
         for i, arg in enumerate(values):
             flag = arg.split("=", 1)[0]
             if flag in SECRET_FLAGS:
@@ -383,7 +389,8 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
         serving_rank=serving_rank, rendezvous_port=rendezvous_port,
         rendezvous_timeout=rendezvous_timeout, port_release_timeout=port_release_timeout,
         model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, host=host, gpus=gpus,
-        env=env, environment_file=environment_file, args=args, ray_args=ray_args, user=user,
+        env=env, environment_file=environment_file, args=args, ray_args=ray_args,
+        ray_head_args=ray_head_args, user=user,
         virtualenv=virtualenv, restart=restart, ranks=ranks, source=check.doc.file,
     )
 

@@ -9,6 +9,7 @@ which is never routed anywhere. Everything is stopped by PID and checked gone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,7 +34,7 @@ class HarnessError(AssertionError):
     """The harness could not do what a test needs: a failure, never a skip."""
 
 
-def wait_until(check: Callable[[], T], timeout: float, what: str,
+def wait_until(check: Callable[[], T | None], timeout: float, what: str,
                interval: float = 0.1) -> T:
     """Poll check() until it returns something truthy; bounded by timeout."""
     deadline = time.monotonic() + timeout
@@ -61,10 +62,8 @@ def cgroup_pids(relative: str) -> set[int]:
         if not base.exists():
             continue
         for procs in base.rglob("cgroup.procs"):
-            try:
+            with contextlib.suppress(OSError):  # the cgroup went away meanwhile
                 pids.update(int(p) for p in procs.read_text().split())
-            except OSError:
-                pass
     return pids
 
 
@@ -79,7 +78,7 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def port_is_free(port: int, host: str = "0.0.0.0", netns: str | None = None) -> bool:  # noqa: S104
+def port_is_free(port: int, host: str = "0.0.0.0", netns: str | None = None) -> bool:
     """Whether a listener could bind host:port (in netns, when given)."""
     if netns is None:
         with socket.socket() as sock:
@@ -202,7 +201,8 @@ class UserManager:
         except AssertionError:
             self.stop()
             raise HarnessError(f"user manager {self.name} did not come up:\n"
-                               f"{(self.state / 'manager.log').read_text(errors='replace')}")
+                               f"{(self.state / 'manager.log').read_text(errors='replace')}"
+                               ) from None
         if self._process.poll() is not None:
             raise HarnessError(f"user manager {self.name} exited:\n"
                                f"{(self.state / 'manager.log').read_text(errors='replace')}")
@@ -293,10 +293,8 @@ class UserManager:
         if self._process is None:
             return
         if self._process.poll() is None:
-            try:
+            with contextlib.suppress(Exception):  # best effort; the kill below is the rule
                 self.stop_all_units()
-            except Exception:  # noqa: BLE001, S110 - best effort; the kill below is the rule
-                pass
             self._process.send_signal(signal.SIGTERM)
             try:
                 self._process.wait(timeout=20)
@@ -306,10 +304,8 @@ class UserManager:
         self._process = None
         leftover = cgroup_pids(self.name)
         for pid in leftover:  # should be none; kill so one bad test does not poison others
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if leftover:
             wait_until(lambda: not cgroup_pids(self.name), 10, "leftover processes to die")
         self._remove_cgroups()
@@ -326,6 +322,20 @@ class UserManager:
                 os.rmdir(directory)
             if base.exists():
                 raise AssertionError(f"cgroup {base} left behind")
+
+
+class Nodes:
+    """The managers of one test, by node name, with their network when they have one."""
+
+    def __init__(self, managers: dict[str, UserManager]) -> None:
+        self.managers = managers
+
+    def __getitem__(self, node: str) -> UserManager:
+        return self.managers[node]
+
+    def address(self, node: str) -> str:
+        ns = self.managers[node].netns
+        return ns.address if ns else "127.0.0.1"
 
 
 def read_json(path: Path, timeout: float = 20) -> dict[str, object]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_render, snapshot
+from helpers import run_render, snapshot
 
 CASES = sorted((Path(__file__).parent / "cases" / "bad").glob("*.yaml"))
 

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import rendered_dir, run_render, snapshot
+from helpers import rendered_dir, run_render, snapshot
 
 TWO = """\
 replicas:

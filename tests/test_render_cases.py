@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import WAIT_FOR_PORT, rendered_dir, run_render, snapshot, verify_units
+from helpers import WAIT_FOR_PORT, rendered_dir, run_render, snapshot, verify_units
 from unitfile import read_env, read_exec, read_unit
 
 CASES = sorted((Path(__file__).parent / "cases" / "render").glob("*.yaml"))

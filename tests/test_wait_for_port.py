@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import WAIT_FOR_PORT
+from helpers import WAIT_FOR_PORT
 
 
 def free_port(family: int = socket.AF_INET) -> int:

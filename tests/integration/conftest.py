@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
-
-from systemd_harness import UserManager, list_netns, make_network, remove_network
+from systemd_harness import Nodes, UserManager, list_netns, make_network, remove_network
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
-                              ) -> Iterator[None]:
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Keep each phase's report on the item, so fixtures can tell that a test failed."""
     report = yield
     setattr(item, f"report_{report.when}", report)
     return report
@@ -22,20 +22,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
 def _failed(request: pytest.FixtureRequest) -> bool:
     report = getattr(request.node, "report_call", None)
     return report is None or report.failed
-
-
-class Nodes:
-    """The managers of one test, by node name, with their network when they have one."""
-
-    def __init__(self, managers: dict[str, UserManager]) -> None:
-        self.managers = managers
-
-    def __getitem__(self, node: str) -> UserManager:
-        return self.managers[node]
-
-    def address(self, node: str) -> str:
-        ns = self.managers[node].netns
-        return ns.address if ns else "127.0.0.1"
 
 
 @pytest.fixture

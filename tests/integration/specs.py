@@ -22,7 +22,7 @@ def head_argv(port: int, host: str, pid_file: Path) -> list[str]:
             "--pid-file", str(pid_file)]
 
 
-def member_argv(join: str, http_port: int | None = None, host: str = "0.0.0.0",  # noqa: S104
+def member_argv(join: str, http_port: int | None = None, host: str = "0.0.0.0",
                 exit_on_term: int | None = None) -> list[str]:
     argv = [PYTHON, str(STANDINS / "member.py"), "--join", join]
     if exit_on_term is not None:

@@ -14,17 +14,17 @@ from pathlib import Path
 
 import pytest
 from specs import free_port, one_node_shard
-
 from systemd_harness import UserManager, pid_alive, port_is_free, wait_until
 
 pytestmark = pytest.mark.integration
 
-TARGET, HEAD, ENGINE = "llmgw-shard.target", "llmgw-shard-head.service", "llmgw-shard-engine.service"
+TARGET = "llmgw-shard.target"
+HEAD, ENGINE = "llmgw-shard-head.service", "llmgw-shard-engine.service"
 
 
 def http_ok(port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:  # noqa: S310
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
             return bool(resp.status == 200)
     except OSError:
         return False
@@ -53,9 +53,8 @@ class Shard:
 
     def pids(self) -> tuple[int, int]:
         """(head main PID, PID of the head's daemonized child)."""
-        text = wait_until(lambda: self.pid_file.exists() and self.pid_file.read_text(), 10,
-                          "the head's PID file")
-        main, daemon = text.split()
+        wait_until(self.pid_file.exists, 10, "the head's PID file")
+        main, daemon = self.pid_file.read_text().split()
         return int(main), int(daemon)
 
     def main_pid(self, unit: str) -> int:
@@ -124,7 +123,11 @@ def test_restart_budget_ends_a_crash_loop(one_node: UserManager, tmp_path: Path)
             pid = shard.main_pid(ENGINE)
             os.kill(pid, signal.SIGKILL)
             kills += 1
-            wait_until(lambda p=pid: shard.main_pid(ENGINE) != p, 10, "the engine to die")
+
+            def engine_replaced(killed: int = pid) -> bool:
+                return shard.main_pid(ENGINE) != killed
+
+            wait_until(engine_replaced, 10, "the engine to die")
         wait_until(lambda: any(one_node.show(u, "ActiveState")["ActiveState"] in
                                ("active", "failed") for u in (ENGINE, HEAD)) and
                    one_node.show(ENGINE, "ActiveState")["ActiveState"] != "activating",

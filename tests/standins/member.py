@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class Handler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         if self.path == "/health":
             body = b""
         elif self.path == "/v1/models":
@@ -38,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--join", required=True)
     parser.add_argument("--http-port", type=int)
-    parser.add_argument("--http-host", default="0.0.0.0")  # noqa: S104
+    parser.add_argument("--http-host", default="0.0.0.0")
     parser.add_argument("--exit-on-term", type=int,
                         help="exit with this status on SIGTERM (some engines exit non-zero)")
     args = parser.parse_args()

@@ -16,7 +16,7 @@ import time
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--host", default="0.0.0.0")  # noqa: S104 - as Ray's GCS does
+    parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--pid-file")
     args = parser.parse_args()
     server = socket.create_server((args.host, args.port), reuse_port=False)

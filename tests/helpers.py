@@ -1,4 +1,4 @@
-"""Shared helpers: the installed entry points, and systemd-analyze verify."""
+"""Shared test helpers: the installed entry points, systemd-analyze verify, snapshots."""
 
 from __future__ import annotations
 
