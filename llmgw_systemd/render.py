@@ -6,6 +6,7 @@ so escaping lives in one place.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 
@@ -37,6 +38,13 @@ def make_environment(template_dir: str | None = None) -> jinja2.Environment:
     return env
 
 
+@functools.cache
+def default_environment() -> jinja2.Environment:
+    """One environment per process: a jinja2.ModuleLoader registers a module proxy in
+    sys.modules, which must not come and go with every render."""
+    return make_environment()
+
+
 def header(plan: ShardPlan, unit: str) -> str:
     return "\n".join((
         MARKER,
@@ -50,7 +58,7 @@ def header(plan: ShardPlan, unit: str) -> str:
 def render_shards(plans: Iterable[ShardPlan], env: jinja2.Environment | None = None
                   ) -> dict[str, str]:
     """{unit file name: text} for every unit of the given shards."""
-    env = env or make_environment()
+    env = env or default_environment()
     service = env.get_template("service.j2")
     target = env.get_template("target.j2")
     restart = env.get_template("restart.j2")
