@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -179,11 +180,14 @@ class UserManager:
     @property
     def env(self) -> dict[str, str]:
         return {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime),
+                "XDG_CONFIG_HOME": str(self.state / "config"),
+                "XDG_DATA_HOME": str(self.state / "data"),
                 "DBUS_SESSION_BUS_ADDRESS": f"unix:path={self.runtime}/bus",
                 "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0"}
 
     def start(self) -> None:
         self.state.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.runtime, ignore_errors=True)  # sockets of an earlier run
         self.log_dir.mkdir(exist_ok=True)
         self._write_log_dropin()
         argv = ["unshare", "-m", "--propagation", "private", str(USER_MANAGER), self.name,

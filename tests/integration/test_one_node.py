@@ -238,3 +238,18 @@ def test_a_stop_never_brings_the_shard_back(one_node: UserManager, tmp_path: Pat
         if "must not come" not in str(exc):
             raise
     assert port_is_free(shard.head) and port_is_free(shard.http)
+
+
+def test_an_enabled_replica_comes_back_when_its_manager_starts(
+        one_node: UserManager, tmp_path: Path) -> None:
+    """`systemctl enable` of the target is what brings a replica back after a reboot:
+    here the node's manager is stopped and started again over the same configuration."""
+    shard = Shard(one_node, tmp_path)
+    enabled = one_node.systemctl("enable", TARGET)
+    assert "default.target.wants/llmgw-shard.target" in enabled.stderr + enabled.stdout
+    one_node.stop()  # the whole node goes down, shard and manager (checked: nothing left)
+    assert port_is_free(shard.head) and port_is_free(shard.http)
+
+    one_node.start()  # boot: nobody starts the shard by hand
+
+    shard.wait_up(timeout=60)
