@@ -64,6 +64,17 @@ class RestartPolicy:
 
 
 @dataclass(frozen=True)
+class HealthCheck:
+    """How the supervisor judges the shards: the serving rank's HTTP probe, and how long
+    a non-serving rank must stay up before it counts as ready."""
+
+    path: str = "/health"
+    interval: int = 5
+    timeout: int = 2
+    stability: int = 30
+
+
+@dataclass(frozen=True)
 class Replica:
     """One replica of a model across its nodes, validated."""
 
@@ -89,6 +100,7 @@ class Replica:
     user: str | None
     virtualenv: str
     restart: RestartPolicy
+    health: HealthCheck
     ranks: tuple[tuple[Command, ...], ...]
     source: str
 
@@ -119,7 +131,7 @@ class Spec:
 # Keys every engine accepts, then the keys only some engines accept.
 COMMON_KEYS = (
     "name", "engine", "nodes", "port", "rendezvous_timeout", "port_release_timeout", "gpus",
-    "env", "environment_file", "user", "restart",
+    "env", "environment_file", "user", "restart", "health",
 )
 ENGINE_KEYS = {
     "vllm": ("launch_mode", "model", "tensor_parallel_size", "pipeline_parallel_size",
@@ -384,13 +396,15 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
         lambda v, p: check.integer(v, p, 0, 3600, "a timeout in seconds"), 30)
     restart = check.optional(data, "restart", path, lambda v, p: _restart(check, v, p),
                              RestartPolicy())
+    health = check.optional(data, "health", path, lambda v, p: _health(check, v, p),
+                            HealthCheck())
     return Replica(
         name=name, engine=engine, launch_mode=launch_mode, nodes=nodes, port=port,
         serving_rank=serving_rank, rendezvous_port=rendezvous_port,
         rendezvous_timeout=rendezvous_timeout, port_release_timeout=port_release_timeout,
         model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, host=host, gpus=gpus,
         env=env, environment_file=environment_file, args=args, ray_args=ray_args,
-        ray_head_args=ray_head_args, user=user,
+        ray_head_args=ray_head_args, user=user, health=health,
         virtualenv=virtualenv, restart=restart, ranks=ranks, source=check.doc.file,
     )
 
@@ -540,6 +554,25 @@ def _restart(check: _Checker, raw: Any, path: KeyPath) -> RestartPolicy:
                          f"burst x delay ({policy.burst} x {policy.delay} s), or the restart "
                          "budget never runs out")
     return policy
+
+
+def _health(check: _Checker, raw: Any, path: KeyPath) -> HealthCheck:
+    data = check.mapping(raw, path, ("path", "interval", "timeout", "stability"))
+    base = HealthCheck()
+    probe_path = check.optional(data, "path", path, lambda v, p: check.string(
+        v, p, "an HTTP path such as /health"), base.path)
+    if not probe_path.startswith("/") or any(c in probe_path for c in " ?#"):
+        raise check.fail((*path, "path"), f"expected an HTTP path such as /health; got "
+                         f"'{probe_path}'")
+    return HealthCheck(
+        path=probe_path,
+        interval=check.optional(data, "interval", path, lambda v, p: check.integer(
+            v, p, 1, 3600, "seconds between probes"), base.interval),
+        timeout=check.optional(data, "timeout", path, lambda v, p: check.integer(
+            v, p, 1, 600, "a probe timeout in seconds"), base.timeout),
+        stability=check.optional(data, "stability", path, lambda v, p: check.integer(
+            v, p, 0, 86400, "seconds a non-serving rank must stay up"), base.stability),
+    )
 
 
 def _check_node_addresses(replicas: list[Replica],

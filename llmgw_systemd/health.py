@@ -1,0 +1,131 @@
+"""Health rules (pure): unit states and probe results -> shard and replica health.
+
+A shard is stopped, starting (including waiting for its rendezvous), ready, degraded or
+failed, always with a reason a person can act on. The serving rank is ready when all
+its units are active and its HTTP health endpoint answers; a non-serving rank is ready
+when all its units have stayed active for a stability window, and its own /health is
+never asked (SGLang's non-zero ranks answer a dummy one). A replica is ready only when
+every rank is; a rank nobody could report on (an unreachable peer) is unknown, which
+makes the replica degraded, never ready (DESIGN.md section 7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .unitstate import UnitState
+
+STOPPED, STARTING, READY, DEGRADED, FAILED, UNKNOWN = (
+    "stopped", "starting", "ready", "degraded", "failed", "unknown")
+STATES = (STOPPED, STARTING, READY, DEGRADED, FAILED, UNKNOWN)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The last HTTP health probe of a serving rank."""
+
+    ok: bool
+    detail: str  # "HTTP 200 in 12 ms", "connection refused", "no answer within 2 s"
+
+
+@dataclass(frozen=True)
+class Health:
+    """A state and why."""
+
+    state: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's health as its own node's supervisor sees it (or UNKNOWN)."""
+
+    rank: int
+    node: str
+    state: str
+    reason: str
+
+
+def _seconds(usec: int) -> str:
+    return f"{usec / 1e6:.0f} s"
+
+
+def shard_health(target: UnitState, members: Sequence[UnitState], *, serving: bool,
+                 probe: Probe | None, now_usec: int, stability_usec: int,
+                 was_ready: bool = False) -> Health:
+    """Health of this node's shard of a replica.
+
+    now_usec is systemd's monotonic clock (the one its timestamps use); was_ready says
+    the serving rank answered its probe since its units last started, so a probe that
+    fails now means degraded rather than still starting."""
+    for unit in (target, *members):
+        if unit.load_state != "loaded":
+            return Health(FAILED, f"{unit.name} is {unit.load_state}: render the spec for "
+                          "this node and run systemctl daemon-reload")
+    for unit in members:
+        if unit.active_state == "failed":
+            why = f"{unit.name} failed ({unit.result or unit.sub_state})"
+            if unit.result == "start-limit-hit":
+                why += ": restart budget used up; systemctl reset-failed to try again"
+            elif unit.status_text:
+                why += f": {unit.status_text}"
+            return Health(FAILED, why)
+    if all(u.is_down for u in members):
+        if target.is_down:
+            return Health(STOPPED, "stopped")
+        return Health(DEGRADED, "every unit is down while the target is active")
+    for unit in members:
+        if unit.sub_state == "auto-restart":
+            return Health(DEGRADED, f"{unit.name} died ({unit.result}); restarting "
+                          f"(restart {unit.n_restarts + 1})")
+    for unit in members:
+        if unit.active_state == "activating":
+            return Health(STARTING, unit.status_text or f"{unit.name} is starting "
+                          f"({unit.sub_state})")
+    for unit in members:
+        if unit.active_state == "deactivating":
+            return Health(DEGRADED, f"{unit.name} is stopping")
+    down = [u.name for u in members if not u.is_active]
+    if down:
+        return Health(DEGRADED, f"{', '.join(down)} down")
+    up_since = max(u.active_enter_usec for u in members)
+    if serving:
+        if probe is None:
+            return Health(STARTING, "waiting for the first health probe")
+        if probe.ok:
+            return Health(READY, f"health endpoint answered: {probe.detail}")
+        if was_ready:
+            return Health(DEGRADED, f"health endpoint stopped answering: {probe.detail}")
+        return Health(STARTING, f"health endpoint not answering yet: {probe.detail}")
+    up_for = max(0, now_usec - up_since)
+    if up_for >= stability_usec:
+        return Health(READY, f"all units up for {_seconds(up_for)}")
+    return Health(STARTING, f"up for {_seconds(up_for)} of the {_seconds(stability_usec)} "
+                  "stability window")
+
+
+def replica_health(ranks: Sequence[RankReport], n_ranks: int) -> Health:
+    """A replica's health from one report per rank (missing ranks count as unknown)."""
+    by_rank = {r.rank: r for r in ranks}
+    reports = [by_rank.get(k, RankReport(k, "?", UNKNOWN, "no report")) for k in
+               range(n_ranks)]
+
+    def which(state: str) -> list[RankReport]:
+        return [r for r in reports if r.state == state]
+
+    def describe(rs: list[RankReport]) -> str:
+        return "; ".join(f"rank {r.rank} on {r.node}: {r.reason}" for r in rs)
+
+    if which(FAILED):
+        return Health(FAILED, describe(which(FAILED)))
+    if all(r.state == READY for r in reports):
+        return Health(READY, f"all {n_ranks} ranks ready")
+    if all(r.state == STOPPED for r in reports):
+        return Health(STOPPED, "stopped")
+    for state in (UNKNOWN, DEGRADED):
+        if which(state):
+            return Health(DEGRADED, describe(which(state)))
+    if which(STOPPED):
+        return Health(DEGRADED, describe(which(STOPPED)))
+    return Health(STARTING, describe(which(STARTING)))

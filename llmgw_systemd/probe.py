@@ -1,0 +1,37 @@
+"""HTTP health probes of serving ranks (an I/O shell; the verdict is health's)."""
+
+from __future__ import annotations
+
+import http.client
+import time
+
+from .health import Probe
+
+WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # noqa: S104 - a bind address, not a target
+
+
+def probe_address(bind_host: str) -> str:
+    """Where to probe a server bound to bind_host from its own node."""
+    return WILDCARDS.get(bind_host, bind_host)
+
+
+def http_probe(host: str, port: int, path: str, timeout: float) -> Probe:
+    """GET path; ok only on HTTP 200 within timeout (a hung server is not healthy)."""
+    started = time.monotonic()
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path, headers={"User-Agent": "llmgw-supervisor"})
+        response = conn.getresponse()
+        response.read(65536)
+    except TimeoutError:
+        return Probe(False, f"no answer within {timeout:g} s")
+    except OSError as exc:
+        return Probe(False, exc.strerror or str(exc) or type(exc).__name__)
+    except http.client.HTTPException as exc:
+        return Probe(False, f"bad HTTP answer: {type(exc).__name__}")
+    finally:
+        conn.close()
+    took = (time.monotonic() - started) * 1000
+    if response.status != 200:
+        return Probe(False, f"HTTP {response.status} in {took:.0f} ms")
+    return Probe(True, f"HTTP 200 in {took:.0f} ms")

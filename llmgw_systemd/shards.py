@@ -1,0 +1,80 @@
+"""This node's shards and their health, read from systemd: shared by
+`llmgw-systemd status` and the supervisor."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .health import Health, Probe, shard_health
+from .plan import Manager, ShardPlan, plan_node
+from .probe import http_probe, probe_address
+from .spec import Replica, Spec
+from .systemd_dbus import SystemdBus
+from .unitstate import UnitState
+
+# Unit names do not depend on where the helper lives: any path will do for planning.
+_NAMES_ONLY = Manager(user=False, wait_for_port="/usr/bin/llmgw-wait-for-port")
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """One replica's shard on this node: what to read, and how to judge it."""
+
+    replica: Replica
+    plan: ShardPlan
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.plan.services)
+
+    @property
+    def serving(self) -> bool:
+        return self.plan.serves_http
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    """A shard's health at one moment, with the unit states it was judged on."""
+
+    replica: str
+    rank: int
+    ranks: int
+    node: str
+    health: Health
+    units: tuple[UnitState, ...]
+
+
+def local_shards(spec: Spec, node: str) -> list[LocalShard]:
+    by_name = {r.name: r for r in spec.replicas}
+    return [LocalShard(by_name[p.replica], p)
+            for p in plan_node(spec, node, _NAMES_ONLY, allow_empty=True)]
+
+
+def probe_shard(shard: LocalShard) -> Probe | None:
+    replica = shard.replica
+    if not shard.serving or replica.port is None:
+        return None
+    return http_probe(probe_address(replica.host), replica.port, replica.health.path,
+                      replica.health.timeout)
+
+
+def read_status(bus: SystemdBus, shards: Sequence[LocalShard],
+                probes: dict[str, Probe | None], was_ready: frozenset[str] = frozenset()
+                ) -> list[ShardStatus]:
+    """One bulk snapshot of every unit of every shard, judged by the health rules."""
+    names = [n for s in shards for n in (s.plan.target.name, *s.members)]
+    states = bus.snapshot(names)
+    now_usec = int(time.monotonic() * 1e6)  # CLOCK_MONOTONIC, as systemd's timestamps
+    out = []
+    for shard in shards:
+        target = states[shard.plan.target.name]
+        members = [states[m] for m in shard.members]
+        health = shard_health(
+            target, members, serving=shard.serving, probe=probes.get(shard.replica.name),
+            now_usec=now_usec, stability_usec=shard.replica.health.stability * 1_000_000,
+            was_ready=shard.replica.name in was_ready)
+        out.append(ShardStatus(shard.replica.name, shard.plan.rank, shard.plan.ranks,
+                               shard.plan.node, health, (target, *members)))
+    return out

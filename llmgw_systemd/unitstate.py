@@ -1,0 +1,35 @@
+"""What systemd says about one unit, as plain data (read by systemd_dbus, judged by
+health). Timestamps are systemd's CLOCK_MONOTONIC microseconds; 0 means never."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """One unit's state as one snapshot saw it."""
+
+    name: str
+    load_state: str  # loaded, not-found, masked, error, ...
+    active_state: str  # active, activating, deactivating, inactive, failed, reloading
+    sub_state: str  # running, start-pre, auto-restart, dead, failed, ...
+    result: str = ""  # success, exit-code, signal, start-limit-hit, ... ("" for targets)
+    n_restarts: int = 0
+    main_pid: int = 0
+    status_text: str = ""
+    active_enter_usec: int = 0  # when it last became active (monotonic)
+    state_change_usec: int = 0  # when its state last changed (monotonic)
+
+    @property
+    def is_active(self) -> bool:
+        return self.active_state in ("active", "reloading")
+
+    @property
+    def is_down(self) -> bool:
+        return self.active_state in ("inactive", "failed")
+
+
+def missing(name: str) -> UnitState:
+    """A unit systemd does not know (not rendered, or garbage-collected and unloadable)."""
+    return UnitState(name, "not-found", "inactive", "dead")
