@@ -196,3 +196,49 @@ def systemd_main() -> None:
         click.echo(f"llmgw-systemd: error: {exc.format_message()} (see llmgw-systemd --help)",
                    err=True)
         sys.exit(exc.exit_code)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("specs", nargs=-1, metavar="[SPEC]...")
+@click.option("--node", metavar="NAME", help="This node's name [default: the host name].")
+@click.option("--user", "user_manager", is_flag=True,
+              help="Watch the user manager (systemctl --user) instead of the system one.")
+@click.option("--listen", default="127.0.0.1:9470", show_default=True, metavar="HOST:PORT",
+              help="Where the read-only API listens; a node's address to serve its peers.")
+@click.option("--peer-port", type=click.IntRange(1, 65535), metavar="PORT",
+              help="The port peer supervisors listen on [default: --listen's port].")
+@click.option("--version", is_flag=True, is_eager=True, expose_value=False,
+              callback=lambda ctx, _param, value: _print_version(ctx, value),
+              help="Show the version and exit.")
+def supervisor_command(specs: tuple[str, ...], node: str | None, user_manager: bool,
+                       listen: str, peer_port: int | None) -> None:
+    """Watch this node's shards through systemd, judge replica health with the peer
+    supervisors, restart replicas as a group, and serve the result as JSON and metrics."""
+    import signal
+
+    from .endpoint import parse_endpoint
+    from .supervisor import SupervisorConfig, serve
+
+    try:
+        endpoint = parse_endpoint(listen)
+        if isinstance(endpoint, str):
+            raise UsageError("--listen", endpoint)
+        config = SupervisorConfig(
+            specs=specs or DEFAULT_SPECS, node=node or os.uname().nodename,
+            user=user_manager, listen_host=endpoint.host, listen_port=endpoint.port,
+            peer_port=peer_port or endpoint.port)
+        serve(config, (signal.SIGTERM, signal.SIGINT))
+    except OSError as exc:
+        _fail("llmgw-supervisor", LlmgwError(f"cannot listen on {listen}: {exc.strerror}"))
+    except LlmgwError as exc:
+        _fail("llmgw-supervisor", exc)
+
+
+def supervisor_main() -> None:
+    try:
+        supervisor_command.main(prog_name="llmgw-supervisor", standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as exc:
+        click.echo(f"llmgw-supervisor: error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)

@@ -75,6 +75,17 @@ class HealthCheck:
 
 
 @dataclass(frozen=True)
+class GroupRestart:
+    """How the supervisors restart all ranks together when one dies: backoff from delay,
+    doubling up to max_delay, at most budget group restarts within window seconds."""
+
+    delay: int = 5
+    max_delay: int = 300
+    budget: int = 5
+    window: int = 3600
+
+
+@dataclass(frozen=True)
 class Replica:
     """One replica of a model across its nodes, validated."""
 
@@ -101,6 +112,7 @@ class Replica:
     virtualenv: str
     restart: RestartPolicy
     health: HealthCheck
+    group_restart: GroupRestart
     ranks: tuple[tuple[Command, ...], ...]
     source: str
 
@@ -131,7 +143,7 @@ class Spec:
 # Keys every engine accepts, then the keys only some engines accept.
 COMMON_KEYS = (
     "name", "engine", "nodes", "port", "rendezvous_timeout", "port_release_timeout", "gpus",
-    "env", "environment_file", "user", "restart", "health",
+    "env", "environment_file", "user", "restart", "health", "group_restart",
 )
 ENGINE_KEYS = {
     "vllm": ("launch_mode", "model", "tensor_parallel_size", "pipeline_parallel_size",
@@ -398,13 +410,15 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
                              RestartPolicy())
     health = check.optional(data, "health", path, lambda v, p: _health(check, v, p),
                             HealthCheck())
+    group_restart = check.optional(data, "group_restart", path,
+                                   lambda v, p: _group_restart(check, v, p), GroupRestart())
     return Replica(
         name=name, engine=engine, launch_mode=launch_mode, nodes=nodes, port=port,
         serving_rank=serving_rank, rendezvous_port=rendezvous_port,
         rendezvous_timeout=rendezvous_timeout, port_release_timeout=port_release_timeout,
         model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, host=host, gpus=gpus,
         env=env, environment_file=environment_file, args=args, ray_args=ray_args,
-        ray_head_args=ray_head_args, user=user, health=health,
+        ray_head_args=ray_head_args, user=user, health=health, group_restart=group_restart,
         virtualenv=virtualenv, restart=restart, ranks=ranks, source=check.doc.file,
     )
 
@@ -553,6 +567,26 @@ def _restart(check: _Checker, raw: Any, path: KeyPath) -> RestartPolicy:
         raise check.fail(path, f"restart.interval ({policy.interval} s) must be longer than "
                          f"burst x delay ({policy.burst} x {policy.delay} s), or the restart "
                          "budget never runs out")
+    return policy
+
+
+def _group_restart(check: _Checker, raw: Any, path: KeyPath) -> GroupRestart:
+    data = check.mapping(raw, path, ("delay", "max_delay", "budget", "window"))
+    base = GroupRestart()
+
+    def seconds(key: str, lo: int, default: int, what: str) -> int:
+        return check.optional(data, key, path, lambda v, p: check.integer(
+            v, p, lo, 604800, what), default)
+
+    policy = GroupRestart(
+        delay=seconds("delay", 0, base.delay, "seconds before the first group restart"),
+        max_delay=seconds("max_delay", 0, base.max_delay, "the longest backoff in seconds"),
+        budget=seconds("budget", 0, base.budget, "group restarts allowed in the window"),
+        window=seconds("window", 1, base.window, "a window in seconds"),
+    )
+    if policy.max_delay < policy.delay:
+        raise check.fail((*path, "max_delay"), f"expected at least delay ({policy.delay} s); "
+                         f"got {policy.max_delay}")
     return policy
 
 

@@ -136,8 +136,12 @@ class SystemdBus:
         signals a change; the caller re-reads state (signals are only triggers)."""
         from gi.repository import GLib
 
-        self._on_change = on_change
-        self._subscribe(self._connection())
+        with self._lock:
+            fresh = self._con is None or self._con.is_closed()
+            self._on_change = on_change
+            con = self._connection()  # a new connection subscribes as it is made
+            if not fresh:
+                self._subscribe(con)
         if self._loop_thread is None:
             self._loop = GLib.MainLoop()
             self._loop_thread = threading.Thread(target=self._loop.run, name="dbus-signals",
@@ -156,7 +160,11 @@ class SystemdBus:
                                  Gio.DBusSignalFlags.NONE, self._on_manager),
         ]
         # Without Subscribe() the manager emits no unit signals at all.
-        self._call(MANAGER_PATH, MANAGER_IFACE, "Subscribe")
+        try:
+            self._call(MANAGER_PATH, MANAGER_IFACE, "Subscribe")
+        except BusError as exc:
+            if "AlreadySubscribed" not in str(exc):
+                raise
 
     def _on_properties(self, _con: Any, _sender: str, path: str, _iface: str, _signal: str,
                        _params: Any) -> None:

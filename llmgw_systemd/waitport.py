@@ -8,7 +8,6 @@ Exit 0 when every address is ready, 1 on timeout, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 import time
@@ -16,23 +15,9 @@ from collections.abc import Sequence
 
 from .endpoint import Endpoint, parse_endpoint
 from .errors import BadInput
+from .sdnotify import notify
 
 PROG = "llmgw-wait-for-port"
-
-
-def notify(message: str) -> None:
-    """Send one sd_notify message when systemd gave us a socket; never fail over it."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.connect(address)
-            sock.sendall(message.encode("utf-8", errors="replace"))
-    except OSError:
-        pass
 
 
 def accepts(endpoint: Endpoint, timeout: float) -> str | None:

@@ -264,6 +264,15 @@ class UserManager:
         return wait_until(check, timeout, f"{unit} to be {'/'.join(wanted)}"
                           f"{'/' + sub if sub else ''} on {self.name}")
 
+    def kill_main(self, unit: str, sig: int = signal.SIGKILL) -> int:
+        """Kill the unit's main process once it has one; returns its PID. (os.kill with
+        a MainPID of 0 would signal the test's own process group.)"""
+        pid = wait_until(lambda: int(self.show(unit, "MainPID")["MainPID"]) or None, 30,
+                         f"{unit} to have a main process")
+        assert pid > 1
+        os.kill(pid, sig)
+        return pid
+
     def unit_pids(self, unit: str) -> set[int]:
         group = self.show(unit, "ControlGroup")["ControlGroup"]
         return cgroup_pids(group) if group else set()

@@ -54,8 +54,9 @@ class Shard:
     def pids(self) -> tuple[int, int]:
         """(head main PID, PID of the head's daemonized child)."""
         wait_until(self.pid_file.exists, 10, "the head's PID file")
-        main, daemon = self.pid_file.read_text().split()
-        return int(main), int(daemon)
+        main, daemon = (int(p) for p in self.pid_file.read_text().split())
+        assert main > 1 and daemon > 1
+        return main, daemon
 
     def main_pid(self, unit: str) -> int:
         return int(self.manager.show(unit, "MainPID")["MainPID"])
@@ -99,7 +100,7 @@ def test_engine_death_restarts_the_whole_shard(one_node: UserManager, tmp_path: 
     shard.start()
     head_pid, daemon_pid = shard.pids()
 
-    os.kill(shard.main_pid(ENGINE), signal.SIGKILL)
+    one_node.kill_main(ENGINE)
 
     shard.wait_down()  # BindsTo= took the sidecar down
     shard.assert_nothing_left(daemon_pid)
@@ -120,8 +121,7 @@ def test_restart_budget_ends_a_crash_loop(one_node: UserManager, tmp_path: Path)
             break
         assert kills < 10, f"no end to the restarts after {kills} kills: {state}"
         if state[ENGINE]["ActiveState"] == "active":
-            pid = shard.main_pid(ENGINE)
-            os.kill(pid, signal.SIGKILL)
+            pid = one_node.kill_main(ENGINE)
             kills += 1
 
             def engine_replaced(killed: int = pid) -> bool:
@@ -205,6 +205,7 @@ def test_members_dying_together_still_bring_the_shard_back(
     for _ in range(3):
         head_pid, daemon_pid = shard.pids()
         engine_pid = shard.main_pid(ENGINE)
+        assert head_pid > 1 and engine_pid > 1  # a 0 would signal our own process group
         os.kill(head_pid, signal.SIGKILL)
         os.kill(engine_pid, signal.SIGKILL)
         shard.wait_down()

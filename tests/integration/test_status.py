@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -52,8 +50,7 @@ def test_status_follows_a_shard_from_stopped_to_ready_to_failed(
     assert str(rows[0]["reason"]).startswith("health endpoint answered: HTTP 200")
 
     # burst=1: the first death uses the whole budget
-    engine = int(one_node.show("llmgw-shard-engine.service", "MainPID")["MainPID"])
-    os.kill(engine, signal.SIGKILL)
+    one_node.kill_main("llmgw-shard-engine.service")
     code, rows = wait_status(one_node, spec, "failed")
     assert code == 3
     assert "restart budget used up" in str(rows[0]["reason"])
