@@ -84,6 +84,7 @@ class Supervisor:
         self.peers: dict[tuple[str, int], tuple[float, RankReport, int]] = {}
         self.replicas: dict[str, ReplicaView] = {}
         self.bus_error: str = ""
+        self.last_subscribe = 0.0
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
         self.in_flight: set[str] = set()
         self.metrics = _Metrics()
@@ -167,6 +168,9 @@ class Supervisor:
             was_ready = frozenset(r for r, inv in self.ready_invocation.items()
                                   if inv == self.generations.get(r))
         try:
+            if time.monotonic() - self.last_subscribe >= self.config.reconcile_interval:
+                self.bus.resubscribe()  # cheap; survives a daemon-reexec
+                self.last_subscribe = time.monotonic()
             statuses = read_status(self.bus, shards, probes, was_ready)
             if self.bus_error:
                 log("systemd is reachable again")

@@ -177,6 +177,12 @@ class SystemdBus:
                 "UnitNew", "UnitRemoved", "JobRemoved", "Reloading", "StartupFinished"):
             self._on_change("")
 
+    def resubscribe(self) -> None:
+        """Subscribe() again: a manager that re-executed (daemon-reexec) has forgotten
+        its subscribers and would send no more unit signals. Idempotent."""
+        if self._on_change is not None:
+            self._subscribe(self._connection())
+
     def reconnect(self) -> None:
         """Drop the connection; the next call connects (and subscribes) again."""
         with self._lock:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from installed import RENDER, WAIT_FOR_PORT
-from unitfile import read_exec, read_unit
+from unitfile import read_unit, split_words
 
 __all__ = ["RENDER", "WAIT_FOR_PORT"]
 
@@ -24,7 +24,8 @@ def run_render(*args: str, cwd: Path | None = None) -> subprocess.CompletedProce
 
 def exec_paths(unit_text: str) -> set[str]:
     entries = read_unit(unit_text)
-    return {read_exec(v)[0] for key, values in entries.items()
+    # only the executable: hand-written units (the supervisor's) use $VARS in arguments
+    return {split_words(v)[0] for key, values in entries.items()
             if key.startswith("Service.Exec") for v in values}
 
 

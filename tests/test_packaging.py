@@ -38,3 +38,10 @@ def test_compiled_templates_match_their_sources() -> None:
         for node in spec.node_names():
             plans = plan_node(spec, node, manager)
             assert render.render_shards(plans, compiled) == render.render_shards(plans, source)
+
+
+def test_supervisor_unit_passes_systemd_analyze(tmp_path: Path) -> None:
+    from helpers import verify_units
+
+    unit = Path(__file__).parents[1] / "packaging" / "systemd" / "llmgw-supervisor.service"
+    verify_units({unit.name: unit.read_text()}, tmp_path)
