@@ -61,11 +61,11 @@ def probe_shard(shard: LocalShard) -> Probe | None:
 
 
 def read_status(bus: SystemdBus, shards: Sequence[LocalShard],
-                probes: dict[str, Probe | None], was_ready: frozenset[str] = frozenset()
-                ) -> list[ShardStatus]:
+                probes: dict[str, Probe | None], was_ready: frozenset[str] = frozenset(),
+                *, refresh: bool = False, properties: bool = True) -> list[ShardStatus]:
     """One bulk snapshot of every unit of every shard, judged by the health rules."""
     names = [n for s in shards for n in (s.plan.target.name, *s.members)]
-    states = bus.snapshot(names)
+    states = bus.snapshot(names, refresh=refresh, properties=properties)
     now_usec = int(time.monotonic() * 1e6)  # CLOCK_MONOTONIC, as systemd's timestamps
     out = []
     for shard in shards:

@@ -44,7 +44,9 @@ class SupervisorConfig:
     listen_port: int = 9470
     peer_port: int = 9470
     reconcile_interval: float = 5.0  # the slow timer; signals trigger sooner
-    debounce: float = 0.02  # one stop sends ~5 signals: read state once after them
+    # One stop sends ~5 signals: they coalesce (a burst during a reconcile causes one
+    # more); an extra delay here would only add to the detection latency.
+    debounce: float = 0.0
     peer_interval: float = 0.5
     peer_timeout: float = 2.0
     dbus_timeout: float = 5.0
@@ -84,7 +86,10 @@ class Supervisor:
         self.peers: dict[tuple[str, int], tuple[float, RankReport, int]] = {}
         self.replicas: dict[str, ReplicaView] = {}
         self.bus_error: str = ""
-        self.last_subscribe = 0.0
+        self.last_full = 0.0
+        self.probe_changed: set[str] = set()
+        self.version = 0  # bumped by every reconcile: API answers are cached per version
+        self.api_cache: dict[str, tuple[int, bytes]] = {}
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
         self.in_flight: set[str] = set()
         self.metrics = _Metrics()
@@ -137,7 +142,7 @@ class Supervisor:
             timeout = self.config.reconcile_interval
             if ping is not None:
                 timeout = min(timeout, ping)
-            if self.wake.wait(timeout):
+            if self.wake.wait(timeout) and self.config.debounce:
                 time.sleep(self.config.debounce)
             self.wake.clear()
             self.load_spec()
@@ -162,16 +167,34 @@ class Supervisor:
             log(f"cannot watch systemd yet: {exc}")
 
     def reconcile(self) -> None:
+        """Read systemd and judge. On a slow tick, everything; on signals, only the
+        shards whose units signalled (one stop of one unit costs a read of 3 units, not
+        of every unit on the node)."""
+        now = time.monotonic()
+        slow_tick = now - self.last_full >= self.config.reconcile_interval
         with self.lock:
             shards = list(self.shards)
             probes = dict(self.probes)
             was_ready = frozenset(r for r, inv in self.ready_invocation.items()
                                   if inv == self.generations.get(r))
         try:
-            if time.monotonic() - self.last_subscribe >= self.config.reconcile_interval:
-                self.bus.resubscribe()  # cheap; survives a daemon-reexec
-                self.last_subscribe = time.monotonic()
-            statuses = read_status(self.bus, shards, probes, was_ready)
+            if slow_tick:
+                self.bus.resubscribe()  # cheap; signals come back after a daemon-reexec
+            changed = self.bus.changed_units()
+            with self.lock:
+                probed, self.probe_changed = self.probe_changed, set()
+            if not slow_tick and changed is not None and not self.bus_error:
+                shards = [s for s in shards if s.replica.name in probed or
+                          changed & {s.plan.target.name, *s.members}]
+            else:
+                self.last_full = now
+            if shards and not slow_tick and not self.bus_error:
+                # a first look from the bulk call alone, published at once: this is what
+                # makes a dead member visible within milliseconds of systemd's signal
+                self._publish(read_status(self.bus, shards, probes, was_ready,
+                                          properties=False), time.monotonic(),
+                              all_replicas=False)
+            statuses = read_status(self.bus, shards, probes, was_ready) if shards else []
             if self.bus_error:
                 log("systemd is reachable again")
                 self.bus_error = ""
@@ -182,20 +205,26 @@ class Supervisor:
             self.bus_error = str(exc)
             self.bus.reconnect()
             statuses = []
-        now = time.monotonic()
-        with self.lock:
-            if statuses:
-                self.statuses = {s.replica: s for s in statuses}
-                self.generations = {s.replica: max(
-                    (u.active_enter_usec for u in s.units[1:]), default=0) for s in statuses}
-            elif self.bus_error:
-                self.statuses = {}
-            for shard in shards:
-                self._judge_replica(shard, now)
+        self._publish(statuses, time.monotonic())
         self.metrics.update(self)
         ready = sum(1 for v in self.replicas.values() if v.health.state == states.READY)
         notify(f"STATUS={len(self.replicas)} replica(s), {ready} ready"
                + (f"; systemd unreachable: {self.bus_error}" if self.bus_error else ""))
+
+    def _publish(self, statuses: Sequence[ShardStatus], now: float, *,
+                 all_replicas: bool = True) -> None:
+        with self.lock:
+            for status in statuses:
+                self.statuses[status.replica] = status
+                self.generations[status.replica] = max(
+                    (u.active_enter_usec for u in status.units[1:]), default=0)
+            if self.bus_error:
+                self.statuses = {}
+            touched = {s.replica for s in statuses}
+            for shard in self.shards:
+                if all_replicas or shard.replica.name in touched:
+                    self._judge_replica(shard, now)
+            self.version += 1
 
     # -- replica health and group restarts (under self.lock) ----------------------------
 
@@ -238,6 +267,8 @@ class Supervisor:
         restarted = sorted(k for k, gen in (baseline or {}).items()
                            if k in running and generations.get(k, gen) not in (0, gen))
         failed = [r.rank for r in reports if r.state == states.FAILED]
+        if restarted and not failed and all(k in restarted for k in range(len(replica.nodes))):
+            restarted = []  # every rank started afresh (or the only one did): nothing stale
         if not restarted and not failed:
             if health.state == states.READY:
                 view.ready_generations = generations
@@ -316,6 +347,8 @@ class Supervisor:
                 if result is not None and result.ok and name in self.generations:
                     self.ready_invocation[name] = self.generations[name]
             if changed:
+                with self.lock:
+                    self.probe_changed.add(name)
                 self.wake.set()
         finally:
             with self.lock:
@@ -389,14 +422,14 @@ class Supervisor:
                 })
             return out
 
-    def replicas_json(self) -> list[dict[str, Any]]:
+    def replicas_json(self, only: Sequence[str] | None = None) -> list[dict[str, Any]]:
         with self.lock:
             return [{
                 "name": name, "state": view.health.state, "reason": view.health.reason,
                 "ranks": [{"rank": r.rank, "node": r.node, "state": r.state,
                            "reason": r.reason} for r in view.ranks],
                 "group_restarts": len(view.restarts), "next_restart": view.next_restart,
-            } for name, view in sorted(self.replicas.items())]
+            } for name, view in sorted(self.replicas.items()) if only is None or name in only]
 
     def _start_http(self) -> None:
         supervisor = self
@@ -411,14 +444,13 @@ class Supervisor:
                     self._send(200, body, kind)
                     return
                 if path == f"/{API_VERSION}/shards":
-                    self._json(200, supervisor.shards_json())
+                    self._cached(path, supervisor.shards_json)
                 elif path == f"/{API_VERSION}/replicas":
-                    self._json(200, supervisor.replicas_json())
+                    self._cached(path, supervisor.replicas_json)
                 elif path.startswith(f"/{API_VERSION}/replicas/"):
                     name = path.rsplit("/", 1)[1]
-                    found = [r for r in supervisor.replicas_json() if r["name"] == name]
-                    if found:
-                        self._json(200, found[0])
+                    if name in supervisor.replicas:
+                        self._cached(path, lambda: supervisor.replicas_json([name])[0])
                     else:
                         self._json(404, {"error": f"no replica '{name}' on this node"})
                 else:
@@ -431,6 +463,14 @@ class Supervisor:
 
             def _json(self, status: int, data: object) -> None:
                 self._send(status, json.dumps(data, indent=1).encode(), "application/json")
+
+            def _cached(self, key: str, build: Any) -> None:
+                version = supervisor.version
+                hit = supervisor.api_cache.get(key)
+                if hit is None or hit[0] != version:
+                    hit = (version, json.dumps(build(), indent=1).encode())
+                    supervisor.api_cache[key] = hit
+                self._send(200, hit[1], "application/json")
 
             def _send(self, status: int, body: bytes, kind: str) -> None:
                 self.send_response(status)

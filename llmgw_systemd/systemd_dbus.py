@@ -46,6 +46,13 @@ class SystemdBus:
         self._on_change: Callable[[str], None] | None = None
         self._loop: Any = None
         self._loop_thread: threading.Thread | None = None
+        # Per unit: (active state, sub state, properties). Properties are re-read only
+        # when the state changed or a signal named the unit: a steady snapshot of 100
+        # units is then one ListUnitsByNames call.
+        self._cache: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {}
+        self._dirty: set[str] = set()
+        self._names_by_path: dict[str, str] = {}
+        self._everything_changed = True
 
     # -- connection -------------------------------------------------------------------
 
@@ -55,16 +62,24 @@ class SystemdBus:
                 return self._con
             try:
                 import pydbus  # PyGObject comes with it; only the supervisor needs them
+                from gi.repository import Gio
 
-                bus = pydbus.SessionBus() if self.user else pydbus.SystemBus()
+                # A private connection, not GLib's shared one (pydbus.SessionBus() and
+                # SystemBus()): once the bus goes away the shared connection stays closed
+                # for good and keeps being handed back.
+                kind = Gio.BusType.SESSION if self.user else Gio.BusType.SYSTEM
+                con = Gio.DBusConnection.new_for_address_sync(
+                    Gio.dbus_address_get_for_bus_sync(kind, None),
+                    Gio.DBusConnectionFlags.AUTHENTICATION_CLIENT |
+                    Gio.DBusConnectionFlags.MESSAGE_BUS_CONNECTION, None, None)
+                con.set_exit_on_close(False)  # GLib would SIGTERM the whole process
+                bus = pydbus.bus.Bus(con)  # pydbus's view of it; its proxies are not used
             except Exception as exc:
                 raise BusError(f"cannot connect to the {self._which} bus: {exc}") from None
-            con = bus.con
-            con.set_exit_on_close(False)  # GLib would SIGTERM the whole process
-            self._con = con
+            self._con = bus.con
             if self._on_change is not None:
-                self._subscribe(con)
-            return con
+                self._subscribe(self._con)
+            return self._con
 
     @property
     def _which(self) -> str:
@@ -88,8 +103,13 @@ class SystemdBus:
 
     # -- the interface -----------------------------------------------------------------
 
-    def snapshot(self, names: Sequence[str]) -> dict[str, UnitState]:
-        """State of every named unit, read in bulk. Unknown units come back not-found."""
+    def snapshot(self, names: Sequence[str], *, refresh: bool = False,
+                 properties: bool = True) -> dict[str, UnitState]:
+        """State of every named unit, read in bulk. Unknown units come back not-found.
+        refresh=True re-reads every unit's properties (a backstop for missed signals);
+        properties=False takes states from the one bulk call and the rest (result,
+        restarts, timestamps) from the last read, leaving changed units to read later:
+        the fast first look after a signal."""
         from gi.repository import GLib
 
         if not names:
@@ -98,12 +118,24 @@ class SystemdBus:
                              GLib.Variant("(as)", (list(names),)),
                              "(a(ssssssouso))")
         states: dict[str, UnitState] = {}
+        with self._lock:
+            dirty = set(self._dirty)
+            if refresh:
+                self._cache.clear()
         for name, _desc, load, active, sub, _following, path, *_job in rows:
+            self._names_by_path[path] = name
             if load != "loaded":
                 states[name] = UnitState(name, load, active, sub)
                 continue
-            unit = self._get_all(path, UNIT_IFACE)
-            service = self._get_all(path, SERVICE_IFACE) if name.endswith(".service") else {}
+            cached = self._cache.get(name)
+            if cached is not None and (not properties or (
+                    cached[:2] == (active, sub) and path not in dirty)):
+                unit, service = cached[2], cached[3]
+            else:
+                unit = self._get_all(path, UNIT_IFACE)
+                service = (self._get_all(path, SERVICE_IFACE) if name.endswith(".service")
+                           else {})
+                self._cache[name] = (active, sub, unit, service)
             states[name] = UnitState(
                 name=name, load_state=load, active_state=active, sub_state=sub,
                 result=str(service.get("Result", "")),
@@ -113,6 +145,9 @@ class SystemdBus:
                 active_enter_usec=int(unit.get("ActiveEnterTimestampMonotonic", 0)),
                 state_change_usec=int(unit.get("StateChangeTimestampMonotonic", 0)),
             )
+        if properties:
+            with self._lock:
+                self._dirty -= {p for p, n in self._names_by_path.items() if n in states}
         for name in names:
             states.setdefault(name, missing(name))
         return states
@@ -123,6 +158,15 @@ class SystemdBus:
         (props,) = self._call(path, PROPS_IFACE, "GetAll", GLib.Variant("(s)", (iface,)),
                               "(a{sv})")
         return dict(props)
+
+    def changed_units(self) -> set[str] | None:
+        """Units that signalled a change since they were last read, or None when anything
+        may have changed (a reload, a new connection): the caller then reads everything."""
+        with self._lock:
+            if self._everything_changed:
+                self._everything_changed = False
+                return None
+            return {self._names_by_path[p] for p in self._dirty if p in self._names_by_path}
 
     def restart(self, unit: str) -> None:
         """Restart a unit (a replica's target restarts its whole shard)."""
@@ -159,22 +203,32 @@ class SystemdBus:
             con.signal_subscribe(SYSTEMD, MANAGER_IFACE, None, MANAGER_PATH, None,
                                  Gio.DBusSignalFlags.NONE, self._on_manager),
         ]
-        # Without Subscribe() the manager emits no unit signals at all.
+        # Without Subscribe() the manager emits no unit signals at all. (Called on con
+        # itself: _call would come back here through _connection on a closed one.)
+        from gi.repository import GLib
+
         try:
-            self._call(MANAGER_PATH, MANAGER_IFACE, "Subscribe")
-        except BusError as exc:
-            if "AlreadySubscribed" not in str(exc):
-                raise
+            con.call_sync(SYSTEMD, MANAGER_PATH, MANAGER_IFACE, "Subscribe", None, None, 0,
+                          self.timeout_ms, None)
+        except GLib.Error as exc:
+            if "AlreadySubscribed" not in str(exc.message):
+                raise BusError(f"Subscribe: {exc.message}") from None
 
     def _on_properties(self, _con: Any, _sender: str, path: str, _iface: str, _signal: str,
                        _params: Any) -> None:
         if self._on_change is not None and path.startswith(MANAGER_PATH + "/unit/"):
+            with self._lock:
+                self._dirty.add(path)
             self._on_change(path)
 
     def _on_manager(self, _con: Any, _sender: str, _path: str, _iface: str, signal: str,
                     _params: Any) -> None:
         if self._on_change is not None and signal in (
                 "UnitNew", "UnitRemoved", "JobRemoved", "Reloading", "StartupFinished"):
+            if signal in ("Reloading", "UnitRemoved", "UnitNew"):
+                with self._lock:
+                    self._cache.clear()  # a reload may change any unit's properties
+                    self._everything_changed = True
             self._on_change("")
 
     def resubscribe(self) -> None:
@@ -186,6 +240,8 @@ class SystemdBus:
     def reconnect(self) -> None:
         """Drop the connection; the next call connects (and subscribes) again."""
         with self._lock:
+            self._cache.clear()  # signals were missed while disconnected
+            self._everything_changed = True
             if self._con is not None and not self._con.is_closed():
                 self._con.close_sync(None)
             self._con = None
