@@ -108,20 +108,7 @@ def _summary(result: Survey, directory: str, *, would: bool) -> str:
 
 
 def render_main() -> None:
-    # A short-lived process whose garbage is freed by reference counting; the cyclic
-    # collector would only re-scan the spec's YAML node tree again and again (a third
-    # of the run time for large specs).
-    gc.disable()
-    # standalone_mode=False: click's usage errors come back to us, to be reported as
-    # one line in our own format rather than click's three-line usage block.
-    try:
-        render_command.main(prog_name="llmgw-render", standalone_mode=False)
-    except click.exceptions.Abort:
-        sys.exit(130)
-    except click.ClickException as exc:
-        click.echo(f"llmgw-render: error: {exc.format_message()} (see llmgw-render --help)",
-                   err=True)
-        sys.exit(exc.exit_code)
+    _run(cli=render_command, prog="llmgw-render")
 
 
 DEFAULT_SPECS = ("/etc/llmgw/replicas.d",)
@@ -187,15 +174,7 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
 
 
 def systemd_main() -> None:
-    gc.disable()
-    try:
-        systemd_group.main(prog_name="llmgw-systemd", standalone_mode=False)
-    except click.exceptions.Abort:
-        sys.exit(130)
-    except click.ClickException as exc:
-        click.echo(f"llmgw-systemd: error: {exc.format_message()} (see llmgw-systemd --help)",
-                   err=True)
-        sys.exit(exc.exit_code)
+    _run(cli=systemd_group, prog="llmgw-systemd")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -214,11 +193,13 @@ def supervisor_command(specs: tuple[str, ...], node: str | None, user_manager: b
                        listen: str, peer_port: int | None) -> None:
     """Watch this node's shards through systemd, judge replica health with the peer
     supervisors, restart replicas as a group, and serve the result as JSON and metrics."""
+    import gc as collector
     import signal
 
     from .endpoint import parse_endpoint
     from .supervisor import SupervisorConfig, serve
 
+    collector.enable()  # a long-running daemon: _run turned it off for the short-lived CLIs
     try:
         endpoint = parse_endpoint(listen)
         if isinstance(endpoint, str):
@@ -235,10 +216,20 @@ def supervisor_command(specs: tuple[str, ...], node: str | None, user_manager: b
 
 
 def supervisor_main() -> None:
+    _run(cli=supervisor_command, prog="llmgw-supervisor")
+
+
+def _run(cli: click.Command, prog: str) -> None:
+    """Run a click command as an entry point: usage errors come back to us as one line in
+    our own format rather than click's three-line usage block (standalone_mode=False)."""
+    # A short-lived process whose garbage is freed by reference counting; the cyclic
+    # collector would only re-scan the spec's YAML node tree again and again (a third
+    # of the run time for large specs). The daemon turns it back on.
+    gc.disable()
     try:
-        supervisor_command.main(prog_name="llmgw-supervisor", standalone_mode=False)
+        cli.main(prog_name=prog, standalone_mode=False)
     except click.exceptions.Abort:
         sys.exit(130)
     except click.ClickException as exc:
-        click.echo(f"llmgw-supervisor: error: {exc.format_message()}", err=True)
+        click.echo(f"{prog}: error: {exc.format_message()} (see {prog} --help)", err=True)
         sys.exit(exc.exit_code)

@@ -12,13 +12,13 @@ NOW, WAIT, GIVE_UP = "now", "wait", "give-up"
 
 @dataclass(frozen=True)
 class GroupRestartPolicy:
-    """Delay before the nth restart in a window: first_delay x 2^(n-1), at most max_delay;
-    at most budget restarts within window seconds."""
+    """A replica's group_restart: the delay before the nth restart in a window is
+    delay x 2^(n-1), at most max_delay; at most budget restarts within window seconds."""
 
-    first_delay: float = 5.0
-    max_delay: float = 300.0
+    delay: int = 5
+    max_delay: int = 300
     budget: int = 5
-    window: float = 3600.0
+    window: int = 3600
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def decide(policy: GroupRestartPolicy, past: tuple[float, ...], failed_since: fl
     if len(recent) >= policy.budget:
         return Decision(GIVE_UP, 0.0, f"group restart budget spent: {len(recent)} restarts "
                         f"in the last {policy.window:.0f} s")
-    delay = min(policy.max_delay, policy.first_delay * 2 ** len(recent))
+    delay = min(policy.max_delay, policy.delay * 2 ** len(recent))
     at = max(failed_since + delay, (recent[-1] + delay) if recent else 0.0)
     if at <= now:
         return Decision(NOW, now, f"group restart {len(recent) + 1} of {policy.budget}")

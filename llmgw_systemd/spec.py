@@ -14,6 +14,7 @@ from typing import Any, Callable, TypeVar
 
 from .endpoint import Endpoint, is_host, is_ip, parse_endpoint
 from .errors import SpecError
+from .grouprestart import GroupRestartPolicy
 from .yamldoc import Document, KeyPath, format_path
 
 T = TypeVar("T")
@@ -75,17 +76,6 @@ class HealthCheck:
 
 
 @dataclass(frozen=True)
-class GroupRestart:
-    """How the supervisors restart all ranks together when one dies: backoff from delay,
-    doubling up to max_delay, at most budget group restarts within window seconds."""
-
-    delay: int = 5
-    max_delay: int = 300
-    budget: int = 5
-    window: int = 3600
-
-
-@dataclass(frozen=True)
 class Replica:
     """One replica of a model across its nodes, validated."""
 
@@ -112,7 +102,7 @@ class Replica:
     virtualenv: str
     restart: RestartPolicy
     health: HealthCheck
-    group_restart: GroupRestart
+    group_restart: GroupRestartPolicy
     ranks: tuple[tuple[Command, ...], ...]
     source: str
 
@@ -411,7 +401,8 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
     health = check.optional(data, "health", path, lambda v, p: _health(check, v, p),
                             HealthCheck())
     group_restart = check.optional(data, "group_restart", path,
-                                   lambda v, p: _group_restart(check, v, p), GroupRestart())
+                                   lambda v, p: _group_restart(check, v, p),
+                                   GroupRestartPolicy())
     return Replica(
         name=name, engine=engine, launch_mode=launch_mode, nodes=nodes, port=port,
         serving_rank=serving_rank, rendezvous_port=rendezvous_port,
@@ -570,15 +561,15 @@ def _restart(check: _Checker, raw: Any, path: KeyPath) -> RestartPolicy:
     return policy
 
 
-def _group_restart(check: _Checker, raw: Any, path: KeyPath) -> GroupRestart:
+def _group_restart(check: _Checker, raw: Any, path: KeyPath) -> GroupRestartPolicy:
     data = check.mapping(raw, path, ("delay", "max_delay", "budget", "window"))
-    base = GroupRestart()
+    base = GroupRestartPolicy()
 
     def seconds(key: str, lo: int, default: int, what: str) -> int:
         return check.optional(data, key, path, lambda v, p: check.integer(
             v, p, lo, 604800, what), default)
 
-    policy = GroupRestart(
+    policy = GroupRestartPolicy(
         delay=seconds("delay", 0, base.delay, "seconds before the first group restart"),
         max_delay=seconds("max_delay", 0, base.max_delay, "the longest backoff in seconds"),
         budget=seconds("budget", 0, base.budget, "group restarts allowed in the window"),

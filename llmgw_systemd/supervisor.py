@@ -24,7 +24,7 @@ from typing import Any
 
 from . import health as states
 from .errors import LlmgwError
-from .grouprestart import GIVE_UP, NOW, GroupRestartPolicy, decide
+from .grouprestart import GIVE_UP, NOW, decide
 from .health import Health, Probe, RankReport, replica_health
 from .sdnotify import notify, watchdog_interval
 from .shards import LocalShard, ShardStatus, local_shards, probe_shard, read_status
@@ -282,10 +282,7 @@ class Supervisor:
                           *(f"rank {k} failed" for k in failed)])
         if view.failing_since is None:
             view.failing_since = now
-        group = replica.group_restart
-        policy = GroupRestartPolicy(first_delay=group.delay, max_delay=group.max_delay,
-                                    budget=group.budget, window=group.window)
-        decision = decide(policy, tuple(view.restarts), view.failing_since, now)
+        decision = decide(replica.group_restart, tuple(view.restarts), view.failing_since, now)
         if decision.action == GIVE_UP:
             view.health = Health(states.FAILED, f"{died}; {decision.reason}")
             view.next_restart = ""

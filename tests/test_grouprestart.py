@@ -6,7 +6,7 @@ import pytest
 
 from llmgw_systemd.grouprestart import GIVE_UP, NOW, WAIT, GroupRestartPolicy, decide
 
-POLICY = GroupRestartPolicy(first_delay=5, max_delay=60, budget=3, window=600)
+POLICY = GroupRestartPolicy(delay=5, max_delay=60, budget=3, window=600)
 
 CASES = [
     # (what, earlier restarts, failing since, now, action, at, reason contains)
@@ -33,7 +33,7 @@ def test_decide(past: tuple[float, ...], since: float, now: float, action: str, 
 
 
 def test_delay_never_exceeds_the_cap() -> None:
-    policy = GroupRestartPolicy(first_delay=5, max_delay=60, budget=100, window=10**6)
+    policy = GroupRestartPolicy(delay=5, max_delay=60, budget=100, window=10**6)
     past = tuple(float(t) for t in range(10))
     decision = decide(policy, past, 10.0, 10.0)
     assert decision.action == WAIT and decision.at == 10.0 + 60  # failing since 10, cap 60
