@@ -2,9 +2,10 @@
 
 Prints, in one run:
 - detection latency: SIGKILL of a unit's main process -> the supervisor's API
-  (GET /v1/replicas/NAME, polled every 0.5 ms) showing the replica no longer ready (median and max over --trials), beside the raw D-Bus signal
-  latency (SIGKILL -> first PropertiesChanged for that unit, received by this process
-  on the same bus) measured on the same kills;
+  (GET /v1/replicas/NAME, polled every 0.5 ms) showing the replica no longer ready
+  (median and max over --trials), beside the raw D-Bus signal latency (SIGKILL -> first
+  PropertiesChanged for that unit, received by this process on the same bus) measured
+  on the same kills;
 - idle CPU of the supervisor over --idle seconds while it watches --units units;
 - its memory (RSS).
 Goals (issue 4): API latency median <= 2x the raw signal latency; idle CPU <= 0.5 % of
@@ -60,7 +61,7 @@ def spec_text(replicas: int) -> str:
 
 
 def api(port: int, path: str) -> object:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:  # noqa: S310
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
         return json.loads(resp.read())
 
 
