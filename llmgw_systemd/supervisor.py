@@ -538,8 +538,13 @@ def serve(config: SupervisorConfig, stop_signals: Sequence[int] = ()) -> None:
         supervisor.stopping.set()
         supervisor.wake.set()
 
+    def request_reload(*_: object) -> None:
+        supervisor.spec_stamp = ()  # read the specs again even if no mtime changed
+        supervisor.wake.set()
+
     for sig in stop_signals:
         signal.signal(sig, request_stop)
+    signal.signal(signal.SIGHUP, request_reload)  # systemctl reload (ExecReload=)
     try:
         supervisor.run()
     finally:

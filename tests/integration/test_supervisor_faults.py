@@ -180,6 +180,16 @@ def test_a_broken_spec_keeps_the_last_good_one(supervised: LocalSupervisor) -> N
     assert supervised.get("/v1/replicas/shard") is None
 
 
+def test_sighup_rereads_the_spec_and_keeps_running(supervised: LocalSupervisor) -> None:
+    supervised.wait("ready")
+    assert supervised.process is not None
+    supervised.process.send_signal(signal.SIGHUP)  # what `systemctl reload` sends
+    wait_until(lambda: supervised.log.read_text().count("watching 1 shard(s)") == 2, 20,
+               "the spec to be read again")
+    assert supervised.alive()
+    supervised.wait("ready")
+
+
 def test_a_restarted_supervisor_rebuilds_from_systemd(supervised: LocalSupervisor) -> None:
     supervised.wait("ready")
     engine = supervised.manager.show(ENGINE, "MainPID")["MainPID"]
@@ -187,3 +197,28 @@ def test_a_restarted_supervisor_rebuilds_from_systemd(supervised: LocalSuperviso
     supervised.start()
     supervised.wait("ready")
     assert supervised.manager.show(ENGINE, "MainPID")["MainPID"] == engine  # untouched
+
+
+def test_runs_as_a_notify_unit_with_a_watchdog(one_node: UserManager, tmp_path: Path) -> None:
+    """As its shipped unit runs it: Type=notify (active only once READY=1 came), STATUS=
+    shown by systemctl, and WATCHDOG=1 pings that keep a short WatchdogSec= satisfied."""
+    spec = one_node_shard(tmp_path / "spec.yaml", name="shard", http=free_port(),
+                          head=free_port(), pid_file=tmp_path / "pids", delay=1)
+    spec.write_text(spec.read_text() + "    health: {interval: 1, timeout: 1, stability: 1}\n")
+    one_node.render(spec, "node")
+    one_node.systemctl("start", TARGET)
+    unit = "llmgw-test-supervisor.service"
+    run = subprocess.run(
+        ["systemd-run", "--user", f"--unit={unit}", "--property=Type=notify",
+         "--property=NotifyAccess=main", "--property=WatchdogSec=2",
+         SUPERVISOR, "--user", "--node", "node", "--listen", f"127.0.0.1:{free_port()}",
+         str(spec)], env=one_node.env, capture_output=True, text=True, timeout=60,
+        check=False)
+    assert run.returncode == 0, run.stderr  # systemd-run waits for READY=1 on notify units
+    assert one_node.state_of(unit) == ("active", "running")
+    wait_until(lambda: "1 replica(s), 1 ready" in one_node.show(unit, "StatusText")[
+        "StatusText"], 30, "STATUS= to report the replica ready")
+    time.sleep(5)  # more than two watchdog periods: a missed ping would kill it
+    info = one_node.show(unit, "ActiveState", "NRestarts", "Result")
+    assert info == {"ActiveState": "active", "NRestarts": "0", "Result": "success"}, info
+    one_node.systemctl("stop", unit)
