@@ -544,7 +544,7 @@ def serve(config: SupervisorConfig, stop_signals: Sequence[int] = ()) -> None:
 
     for sig in stop_signals:
         signal.signal(sig, request_stop)
-    signal.signal(signal.SIGHUP, request_reload)  # systemctl reload (ExecReload=)
+    signal.signal(signal.SIGHUP, request_reload)  # systemctl kill -s HUP llmgw-supervisor
     try:
         supervisor.run()
     finally:

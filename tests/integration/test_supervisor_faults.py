@@ -183,7 +183,7 @@ def test_a_broken_spec_keeps_the_last_good_one(supervised: LocalSupervisor) -> N
 def test_sighup_rereads_the_spec_and_keeps_running(supervised: LocalSupervisor) -> None:
     supervised.wait("ready")
     assert supervised.process is not None
-    supervised.process.send_signal(signal.SIGHUP)  # what `systemctl reload` sends
+    supervised.process.send_signal(signal.SIGHUP)  # systemctl kill -s HUP ...
     wait_until(lambda: supervised.log.read_text().count("watching 1 shard(s)") == 2, 20,
                "the spec to be read again")
     assert supervised.alive()
