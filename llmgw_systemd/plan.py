@@ -99,9 +99,6 @@ class ShardPlan:
     services: tuple[ServiceUnit, ...]
     restart: RestartUnit
 
-    @property
-    def unit_names(self) -> tuple[str, ...]:
-        return (self.target.name, *(s.name for s in self.services), self.restart.name)
 
 
 def target_name(replica: str) -> str:

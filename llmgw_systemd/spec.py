@@ -602,16 +602,16 @@ def _health(check: _Checker, raw: Any, path: KeyPath) -> HealthCheck:
 
 def _check_node_addresses(replicas: list[Replica],
                           locations: dict[str, tuple[Document, KeyPath]]) -> None:
-    seen: dict[str, tuple[str, Replica, int]] = {}
+    seen: dict[str, tuple[str, Replica]] = {}  # node name -> (address, first replica)
     for replica in replicas:
         for rank, node in enumerate(replica.nodes):
             if node.name in seen and seen[node.name][0] != node.address:
-                address, other, _other_rank = seen[node.name]
+                address, other = seen[node.name]
                 doc, path = locations[replica.name]
                 raise doc.error((*path, "nodes", rank, "address"),
                                 f"node '{node.name}' has address '{address}' in replica "
                                 f"'{other.name}' but '{node.address}' here")
-            seen.setdefault(node.name, (node.address, replica, rank))
+            seen.setdefault(node.name, (node.address, replica))
 
 
 def port_claims(replica: Replica) -> list[tuple[str, int, KeyPath, str]]:

@@ -14,7 +14,7 @@ The traps it handles (DESIGN.md section 9):
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .errors import LlmgwError
@@ -260,11 +260,3 @@ class SystemdBus:
             self._loop_thread.join(timeout=5)
             self._loop_thread = None
 
-
-def unit_names_for(replicas: Iterable[tuple[str, Sequence[str]]]) -> list[str]:
-    """Flatten (target, members) pairs into the unit list one snapshot reads."""
-    names: list[str] = []
-    for target, members in replicas:
-        names.append(target)
-        names.extend(members)
-    return names
