@@ -64,7 +64,9 @@ class ReplicaView:
     ranks: list[RankReport]
     restarts: list[float] = field(default_factory=list)
     failing_since: float | None = None
-    ready_generations: dict[int, int] | None = None
+    ready_generations: dict[int, int] | None = None  # the baseline a death is seen from
+    candidate: dict[int, int] | None = None  # generations settling into a baseline
+    ready_since: float | None = None
     next_restart: str = ""
 
 
@@ -271,8 +273,13 @@ class Supervisor:
             restarted = []  # every rank started afresh (or the only one did): nothing stale
         if not restarted and not failed:
             if health.state == states.READY:
-                view.ready_generations = generations
                 view.failing_since, view.next_restart = None, ""
+                if baseline is None:
+                    self._settle(view, replica, generations, now)
+                else:
+                    view.ready_generations = generations
+            else:
+                view.candidate, view.ready_since = None, None
             view.health = health
             return
         # A rank died (it failed, or restarted since the replica was last ready): the
@@ -295,6 +302,19 @@ class Supervisor:
             fresh = mine in restarted and reports[0].state != states.FAILED
             self._group_restart(shard, view, now, decision.reason, skip=fresh)
 
+    def _settle(self, view: ReplicaView, replica: Any, generations: dict[int, int],
+                now: float) -> None:
+        """Take the generations a replica is ready with as the baseline only once they
+        held still for a while: right after a (group) restart, peer reports lag by up to
+        a poll, and a rank that lost its rendezvous restarts a little later on its own;
+        neither may count as a new death."""
+        settle = (3 * self.config.peer_interval + self.config.peer_timeout
+                  + replica.restart.delay + 1)
+        if view.candidate != generations:
+            view.candidate, view.ready_since = dict(generations), now
+        elif view.ready_since is not None and now - view.ready_since >= settle:
+            view.ready_generations = dict(generations)
+
     def _group_restart(self, shard: LocalShard, view: ReplicaView, now: float,
                        why: str, *, skip: bool) -> None:
         """Restart this node's shard; every rank's supervisor does the same for its own.
@@ -313,7 +333,8 @@ class Supervisor:
                 return
         view.restarts.append(now)
         view.failing_since = None
-        view.ready_generations = None  # the next ready state sets the new baseline
+        # the next settled ready state sets the new baseline
+        view.ready_generations, view.candidate, view.ready_since = None, None, None
         self.metrics.group_restarts.labels(replica=shard.replica.name).inc()
 
     # -- probes and peers ----------------------------------------------------------------
@@ -426,6 +447,8 @@ class Supervisor:
                 "ranks": [{"rank": r.rank, "node": r.node, "state": r.state,
                            "reason": r.reason} for r in view.ranks],
                 "group_restarts": len(view.restarts), "next_restart": view.next_restart,
+                # ready long enough that a rank's restart from here on is a death
+                "settled": view.ready_generations is not None,
             } for name, view in sorted(self.replicas.items()) if only is None or name in only]
 
     def _start_http(self) -> None:

@@ -56,11 +56,12 @@ class Supervisor:
         assert status == 200 and isinstance(data, dict), (status, data)
         return data
 
-    def wait_state(self, state: str, timeout: float = 60, restarts: int | None = None
-                   ) -> dict[str, object]:
+    def wait_state(self, state: str, timeout: float = 60, restarts: int | None = None,
+                   settled: bool = False) -> dict[str, object]:
         def check() -> dict[str, object] | None:
             data = self.replica()
             wanted = restarts is None or data["group_restarts"] == restarts
+            wanted = wanted and (not settled or data["settled"] is True)
             return data if data["state"] == state and wanted else None
 
         return wait_until(check, timeout, f"replica state {state} on {self.ns.name}")
@@ -112,10 +113,10 @@ def main_pid(manager: UserManager) -> int:
 def test_ready_then_a_dead_worker_restarts_the_group(
         replica: tuple[Supervisor, Supervisor]) -> None:
     a, b = replica
-    ready = a.wait_state("ready")
+    ready = a.wait_state("ready", settled=True)
     ranks = ready["ranks"]
     assert isinstance(ranks, list) and [r["state"] for r in ranks] == ["ready", "ready"]
-    assert b.wait_state("ready")["state"] == "ready"
+    assert b.wait_state("ready", settled=True)["state"] == "ready"
     leader_pid = main_pid(a.manager)
 
     b.manager.kill_main(ENGINE)  # the worker rank dies
@@ -133,9 +134,9 @@ def test_ready_then_a_dead_worker_restarts_the_group(
 def test_group_restart_budget_spent_leaves_the_replica_failed(
         replica: tuple[Supervisor, Supervisor]) -> None:
     a, b = replica
-    a.wait_state("ready")
+    a.wait_state("ready", settled=True)
     b.manager.kill_main(ENGINE)
-    a.wait_state("ready", 90, restarts=1)  # the one group restart the budget allows
+    a.wait_state("ready", 90, restarts=1, settled=True)  # the one restart the budget allows
     leader_pid = main_pid(a.manager)
 
     b.manager.kill_main(ENGINE)
