@@ -249,6 +249,11 @@ class _Checker:
             return default
         return read(mapping[key], (*path, key))
 
+    def optional_int(self, mapping: dict[str, Any], key: str, path: KeyPath, lo: int, hi: int,
+                     what: str, default: int) -> int:
+        return self.optional(mapping, key, path,
+                             lambda v, p: self.integer(v, p, lo, hi, what), default)
+
 
 def _kind(value: Any) -> str:
     if value is None:
@@ -353,10 +358,10 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
                     raise check.fail((*path, "nodes", rank, "address"), "expected an IP address "
                                      f"(vLLM needs VLLM_HOST_IP per node); got '{node.address}'")
 
-    tp = check.optional(data, "tensor_parallel_size", path,
-                        lambda v, p: check.integer(v, p, 1, 4096, "a tensor parallel size"), 1)
-    pp = check.optional(data, "pipeline_parallel_size", path,
-                        lambda v, p: check.integer(v, p, 1, 4096, "a pipeline parallel size"), 1)
+    tp = check.optional_int(data, "tensor_parallel_size", path, 1, 4096,
+                            "a tensor parallel size", 1)
+    pp = check.optional_int(data, "pipeline_parallel_size", path, 1, 4096,
+                            "a pipeline parallel size", 1)
     host = check.optional(data, "host", path, _ip_reader(check, "an IP address to bind HTTP to"),
                           "0.0.0.0")  # noqa: S104 - the gateway must reach the serving rank
     args: tuple[str, ...] = check.optional(data, "args", path,
@@ -390,12 +395,10 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
                                 lambda v, p: check.abs_path(v, p, "the engine's installation "
                                                             "(a virtualenv or prefix)"),
                                 DEFAULT_VIRTUALENV)
-    rendezvous_timeout = check.optional(
-        data, "rendezvous_timeout", path,
-        lambda v, p: check.integer(v, p, 1, 86400, "a timeout in seconds"), 300)
-    port_release_timeout = check.optional(
-        data, "port_release_timeout", path,
-        lambda v, p: check.integer(v, p, 0, 3600, "a timeout in seconds"), 30)
+    rendezvous_timeout = check.optional_int(data, "rendezvous_timeout", path, 1, 86400,
+                                            "a timeout in seconds", 300)
+    port_release_timeout = check.optional_int(data, "port_release_timeout", path, 0, 3600,
+                                              "a timeout in seconds", 30)
     restart = check.optional(data, "restart", path, lambda v, p: _restart(check, v, p),
                              RestartPolicy())
     health = check.optional(data, "health", path, lambda v, p: _health(check, v, p),
@@ -545,12 +548,12 @@ def _restart(check: _Checker, raw: Any, path: KeyPath) -> RestartPolicy:
     data = check.mapping(raw, path, ("delay", "burst", "interval"))
     base = RestartPolicy()
     policy = RestartPolicy(
-        delay=check.optional(data, "delay", path, lambda v, p: check.integer(
-            v, p, 1, 86400, "seconds between a failure and the restart"), base.delay),
-        burst=check.optional(data, "burst", path, lambda v, p: check.integer(
-            v, p, 1, 1000, "starts allowed within the interval"), base.burst),
-        interval=check.optional(data, "interval", path, lambda v, p: check.integer(
-            v, p, 1, 604800, "an interval in seconds"), base.interval),
+        delay=check.optional_int(data, "delay", path, 1, 86400,
+                                 "seconds between a failure and the restart", base.delay),
+        burst=check.optional_int(data, "burst", path, 1, 1000,
+                                 "starts allowed within the interval", base.burst),
+        interval=check.optional_int(data, "interval", path, 1, 604800,
+                                    "an interval in seconds", base.interval),
     )
     # burst starts need at least burst x delay seconds: with a shorter interval the
     # budget can never run out and a crash-looping shard restarts forever.
@@ -564,16 +567,15 @@ def _restart(check: _Checker, raw: Any, path: KeyPath) -> RestartPolicy:
 def _group_restart(check: _Checker, raw: Any, path: KeyPath) -> GroupRestartPolicy:
     data = check.mapping(raw, path, ("delay", "max_delay", "budget", "window"))
     base = GroupRestartPolicy()
-
-    def seconds(key: str, lo: int, default: int, what: str) -> int:
-        return check.optional(data, key, path, lambda v, p: check.integer(
-            v, p, lo, 604800, what), default)
-
     policy = GroupRestartPolicy(
-        delay=seconds("delay", 0, base.delay, "seconds before the first group restart"),
-        max_delay=seconds("max_delay", 0, base.max_delay, "the longest backoff in seconds"),
-        budget=seconds("budget", 0, base.budget, "group restarts allowed in the window"),
-        window=seconds("window", 1, base.window, "a window in seconds"),
+        delay=check.optional_int(data, "delay", path, 0, 604800,
+                                 "seconds before the first group restart", base.delay),
+        max_delay=check.optional_int(data, "max_delay", path, 0, 604800,
+                                     "the longest backoff in seconds", base.max_delay),
+        budget=check.optional_int(data, "budget", path, 0, 604800,
+                                  "group restarts allowed in the window", base.budget),
+        window=check.optional_int(data, "window", path, 1, 604800, "a window in seconds",
+                                  base.window),
     )
     if policy.max_delay < policy.delay:
         raise check.fail((*path, "max_delay"), f"expected at least delay ({policy.delay} s); "
@@ -591,12 +593,12 @@ def _health(check: _Checker, raw: Any, path: KeyPath) -> HealthCheck:
                          f"'{probe_path}'")
     return HealthCheck(
         path=probe_path,
-        interval=check.optional(data, "interval", path, lambda v, p: check.integer(
-            v, p, 1, 3600, "seconds between probes"), base.interval),
-        timeout=check.optional(data, "timeout", path, lambda v, p: check.integer(
-            v, p, 1, 600, "a probe timeout in seconds"), base.timeout),
-        stability=check.optional(data, "stability", path, lambda v, p: check.integer(
-            v, p, 0, 86400, "seconds a non-serving rank must stay up"), base.stability),
+        interval=check.optional_int(data, "interval", path, 1, 3600, "seconds between probes",
+                                    base.interval),
+        timeout=check.optional_int(data, "timeout", path, 1, 600, "a probe timeout in seconds",
+                                   base.timeout),
+        stability=check.optional_int(data, "stability", path, 0, 86400,
+                                     "seconds a non-serving rank must stay up", base.stability),
     )
 
 

@@ -29,7 +29,7 @@ from .health import Health, Probe, RankReport, replica_health
 from .sdnotify import notify, watchdog_interval
 from .shards import LocalShard, ShardStatus, local_shards, probe_shard, read_status
 from .sources import read_documents, spec_files
-from .spec import Spec, build_spec
+from .spec import Replica, Spec, build_spec
 from .systemd_dbus import BusError, SystemdBus
 
 API_VERSION = "v1"
@@ -302,7 +302,7 @@ class Supervisor:
             fresh = mine in restarted and reports[0].state != states.FAILED
             self._group_restart(shard, view, now, decision.reason, skip=fresh)
 
-    def _settle(self, view: ReplicaView, replica: Any, generations: dict[int, int],
+    def _settle(self, view: ReplicaView, replica: Replica, generations: dict[int, int],
                 now: float) -> None:
         """Take the generations a replica is ready with as the baseline only once they
         held still for a while: right after a (group) restart, peer reports lag by up to
