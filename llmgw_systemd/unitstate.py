@@ -20,6 +20,7 @@ class UnitState:
     status_text: str = ""
     active_enter_usec: int = 0  # when it last became active (monotonic)
     state_change_usec: int = 0  # when its state last changed (monotonic)
+    invocation_id: str = ""  # hex; new on every start of the unit ("" before the first)
 
     @property
     def is_active(self) -> bool:

@@ -1,0 +1,65 @@
+"""What the supervisor gathered about a replica, as plain data (pure; no I/O, no clock).
+
+Every piece of evidence says where it came from and which shard generation it was taken
+for, and carries the time it was taken, so the rules in `replicastate` can refuse what is
+stale or belongs to an earlier start (docs/supervisor.md, "Evidence"). A generation is
+the engine unit's systemd InvocationID: it changes on every start of the shard, and is ""
+while the engine has never been started.
+
+Times are seconds on CLOCK_MONOTONIC, the clock systemd stamps units with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .unitstate import UnitState
+
+
+@dataclass(frozen=True)
+class LocalEvidence:
+    """This node's shard as one bulk read of systemd saw it (target first)."""
+
+    target: UnitState
+    members: tuple[UnitState, ...]  # sidecars, then the engine
+    read_at: float
+
+    @property
+    def generation(self) -> str:
+        return self.members[-1].invocation_id if self.members else ""
+
+
+@dataclass(frozen=True)
+class ProbeEvidence:
+    """One HTTP health probe of this node's serving rank."""
+
+    ok: bool
+    detail: str  # "HTTP 200 in 4 ms", "connection refused", "no answer within 2 s"
+    generation: str  # the shard generation when the probe started
+    taken_at: float  # when it started: a result is never newer than its request
+
+
+@dataclass(frozen=True)
+class PeerShard:
+    """One shard as a peer supervisor reported it."""
+
+    replica: str
+    rank: int
+    node: str
+    state: str
+    reason: str
+    generation: str
+
+
+@dataclass(frozen=True)
+class PeerEvidence:
+    """The last thing heard from the supervisor of one node: its reports, or why not.
+
+    `source` is the node we dialed (by its spec address); `authenticated` says TLS proved
+    the answer came from that node (its certificate, signed by the cluster CA, names it)."""
+
+    source: str
+    received_at: float
+    authenticated: bool
+    shards: tuple[PeerShard, ...] = ()
+    error: str = ""  # non-empty: the fetch failed; shards is then empty

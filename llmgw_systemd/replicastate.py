@@ -1,0 +1,253 @@
+"""The supervisor's decisions (pure): (memory, evidence, policy, now) -> verdict.
+
+One call judges one replica with a shard on this node: the health of this node's rank
+from systemd and its probe, the other ranks from their own nodes' supervisors, the
+replica's health from all of them, and whether this node's shard must restart with the
+group. The daemon gathers the evidence, calls `judge`, keeps the returned memory and
+carries out the actions; nothing here reads a clock or a socket.
+
+Rules (docs/supervisor.md):
+- Evidence expires. A probe counts only for the shard generation it was taken for and
+  for `probe_fresh` seconds; a peer's report for `peer_fresh` seconds. "Ready" needs
+  fresh evidence for every rank.
+- A rank's report counts only when it comes from the node the spec assigns to that rank
+  (and, with TLS, only when that node proved who it is). Anything else is ignored and
+  counted, never believed.
+- A rank that failed, or started again since the replica was last ready, takes every
+  rank down with it (Ray placement groups, torch process groups): every node restarts
+  its own shard, with backoff and a budget (grouprestart).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from .evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
+from .grouprestart import GIVE_UP, NOW, GroupRestartPolicy, decide
+from .health import (
+    DEGRADED,
+    FAILED,
+    READY,
+    STARTING,
+    STOPPED,
+    UNKNOWN,
+    Health,
+    Probe,
+    RankReport,
+    replica_health,
+    shard_health,
+)
+
+
+@dataclass(frozen=True)
+class ReplicaPolicy:
+    """What the spec and the supervisor's configuration say about judging one replica."""
+
+    name: str
+    nodes: tuple[str, ...]  # node name per rank
+    rank: int  # this node's rank
+    serving: bool  # whether this node's rank serves HTTP (and is probed)
+    stability: float  # seconds a non-serving rank must stay up to count as ready
+    probe_fresh: float  # a probe result counts this long (interval + timeout)
+    peer_fresh: float  # a peer's answer counts this long
+    settle: float  # how long a ready replica holds still before its generations count
+    group_restart: GroupRestartPolicy = field(default_factory=GroupRestartPolicy)
+    require_auth: bool = False  # TLS configured: unauthenticated reports never count
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What one judgement hands to the next (kept by the daemon; `restarts` persisted)."""
+
+    restarts: tuple[float, ...] = ()  # times of this node's group restarts
+    failing_since: float | None = None
+    baseline: tuple[tuple[int, str], ...] | None = None  # generations a death is seen from
+    candidate: tuple[tuple[int, str], ...] | None = None  # generations settling into one
+    candidate_since: float | None = None
+    served: str | None = None  # generation in which our serving rank answered its probe
+
+
+@dataclass(frozen=True)
+class RestartShard:
+    """Restart this node's shard of the replica (its target)."""
+
+    replica: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    memory: Memory
+    health: Health
+    ranks: tuple[RankReport, ...]
+    generations: tuple[tuple[int, str], ...]
+    actions: tuple[RestartShard, ...] = ()
+    notes: tuple[str, ...] = ()  # log lines: what was decided and why
+    next_restart: str = ""
+
+    @property
+    def settled(self) -> bool:
+        """Ready long enough that a rank's restart from here on counts as a death."""
+        return self.memory.baseline is not None
+
+
+def local_rank(policy: ReplicaPolicy, memory: Memory, local: LocalEvidence | None,
+               systemd_error: str, probe: ProbeEvidence | None,
+               now: float) -> tuple[RankReport, str, Memory]:
+    """This node's rank: its report, its generation and the updated memory."""
+    node = policy.nodes[policy.rank]
+    if local is None:
+        why = f"systemd unreachable: {systemd_error}" if systemd_error else "no data yet"
+        return RankReport(policy.rank, node, UNKNOWN, why), "", memory
+    generation = local.generation
+    valid = probe
+    if probe is not None and (probe.generation != generation
+                              or now - probe.taken_at > policy.probe_fresh):
+        valid = None  # from an earlier start of the shard, or too old to say anything
+    was_ready = bool(generation) and memory.served == generation
+    health = shard_health(
+        local.target, local.members, serving=policy.serving,
+        probe=Probe(valid.ok, valid.detail) if valid is not None else None,
+        now_usec=int(now * 1e6), stability_usec=int(policy.stability * 1e6),
+        was_ready=was_ready)
+    if policy.serving and valid is None and was_ready and health.state == STARTING:
+        health = Health(DEGRADED, "no health probe result within the last "
+                        f"{policy.probe_fresh:g} s")
+    if valid is not None and valid.ok and health.state == READY:
+        memory = replace(memory, served=generation)
+    return RankReport(policy.rank, node, health.state, health.reason), generation, memory
+
+
+def counts(policy: ReplicaPolicy, seen: PeerEvidence, shard: PeerShard) -> bool:
+    """Whether one shard report in a peer's answer may count for this replica: it names
+    a rank that the spec assigns to the very node that answered (and not ours), and with
+    TLS the answer proved it came from that node."""
+    if shard.replica != policy.name or not 0 <= shard.rank < len(policy.nodes):
+        return False
+    node = policy.nodes[shard.rank]
+    return (shard.rank != policy.rank and node == seen.source == shard.node
+            and (seen.authenticated or not policy.require_auth))
+
+
+def refused(policy: ReplicaPolicy, seen: PeerEvidence) -> tuple[str, ...]:
+    """The reports in one peer answer about this replica that do not count, described."""
+    return tuple(
+        f"{seen.source} reported rank {s.rank} of {policy.name} as node {s.node!r}"
+        + ("" if seen.authenticated or not policy.require_auth else ", unauthenticated")
+        for s in seen.shards if s.replica == policy.name and not counts(policy, seen, s))
+
+
+def peer_rank(policy: ReplicaPolicy, rank: int, seen: PeerEvidence | None,
+              now: float) -> tuple[RankReport, str]:
+    """Another node's rank, from that node's own supervisor only."""
+    node = policy.nodes[rank]
+
+    def unknown(why: str) -> tuple[RankReport, str]:
+        return RankReport(rank, node, UNKNOWN, why), ""
+
+    if seen is None:
+        return unknown(f"no report yet from the supervisor on {node}")
+    if seen.error:
+        return unknown(f"supervisor on {node} unreachable: {seen.error}")
+    if policy.require_auth and not seen.authenticated:
+        return unknown(f"report from the supervisor on {node} is not authenticated")
+    age = now - seen.received_at
+    if age > policy.peer_fresh:
+        return unknown(f"report from the supervisor on {node} is {age:.0f} s old")
+    found = [s for s in seen.shards if s.rank == rank and counts(policy, seen, s)]
+    if not found:
+        return unknown(f"the supervisor on {node} reports no shard of {policy.name}")
+    return RankReport(rank, node, found[-1].state, found[-1].reason), found[-1].generation
+
+
+def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
+          systemd_error: str = "", probe: ProbeEvidence | None,
+          peers: Mapping[str, PeerEvidence], now: float) -> Verdict:
+    """One replica's health, and what to do about it."""
+    mine, generation, memory = local_rank(policy, memory, local, systemd_error, probe, now)
+    reports = [mine]
+    generations = {policy.rank: generation}
+    for rank, node in enumerate(policy.nodes):
+        if rank == policy.rank:
+            continue
+        report, gen = peer_rank(policy, rank, peers.get(node), now)
+        reports.append(report)
+        if report.state != UNKNOWN:
+            generations[rank] = gen
+    reports.sort(key=lambda r: r.rank)
+    health = replica_health(reports, len(policy.nodes))
+    gens = tuple(sorted(generations.items()))
+    verdict = Verdict(memory, health, tuple(reports), gens)
+    return _group_restart(policy, verdict, now)
+
+
+def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float) -> Verdict:
+    memory, health, reports = verdict.memory, verdict.health, verdict.ranks
+    generations = dict(verdict.generations)
+    if health.state == STOPPED:
+        return replace(verdict, memory=replace(
+            memory, failing_since=None, baseline=None, candidate=None, candidate_since=None))
+    # A rank restarted if it runs a generation other than the one the replica was ready
+    # with; a stopped or unknown rank is not one (stopped on purpose, or not heard from).
+    baseline = dict(memory.baseline) if memory.baseline is not None else None
+    running = {r.rank for r in reports if r.state not in (STOPPED, UNKNOWN)}
+    restarted = sorted(k for k, gen in (baseline or {}).items()
+                       if k in running and generations.get(k, gen) not in ("", gen))
+    failed = [r.rank for r in reports if r.state == FAILED]
+    if restarted and not failed and len(restarted) == len(policy.nodes):
+        restarted = []  # every rank started afresh (or the only one did): nothing stale
+    if not restarted and not failed:
+        if health.state == READY:
+            memory = replace(memory, failing_since=None)
+            if memory.baseline is None:
+                memory = _settle(policy, memory, verdict.generations, now)
+            else:
+                memory = replace(memory, baseline=verdict.generations)
+        else:
+            memory = replace(memory, candidate=None, candidate_since=None)
+        return replace(verdict, memory=memory)
+    died = "; ".join([*(f"rank {k} on {policy.nodes[k]} restarted" for k in restarted),
+                      *(f"rank {r.rank} on {r.node} failed: {r.reason}" for r in reports
+                        if r.state == FAILED)])
+    since = memory.failing_since if memory.failing_since is not None else now
+    memory = replace(memory, failing_since=since)
+    decision = decide(policy.group_restart, memory.restarts, since, now)
+    if decision.action == GIVE_UP:
+        return replace(verdict, memory=memory,
+                       health=Health(FAILED, f"{died}; {decision.reason}"))
+    state = FAILED if failed else DEGRADED
+    verdict = replace(verdict, memory=memory, health=Health(state, f"{died}; {decision.reason}"),
+                      next_restart=decision.reason)
+    if decision.action != NOW:
+        return verdict
+    # This node's shard restarted by itself since the replica was ready (and is not
+    # failed): it is fresh already, and restarting it again would only delay the group.
+    fresh = policy.rank in restarted and reports[policy.rank].state != FAILED
+    memory = replace(memory, restarts=(*memory.restarts, now), failing_since=None,
+                     baseline=None, candidate=None, candidate_since=None)
+    if fresh:
+        note = (f"{policy.name}: a rank died; this node's shard already restarted "
+                f"({decision.reason})")
+        return replace(verdict, memory=memory, notes=(note,))
+    note = (f"{policy.name}: a rank died ({died}); restarting this node's shard: "
+            f"{decision.reason}")
+    return replace(verdict, memory=memory, notes=(note,),
+                   actions=(RestartShard(policy.name, f"{died}; {decision.reason}"),))
+
+
+def _settle(policy: ReplicaPolicy, memory: Memory, generations: tuple[tuple[int, str], ...],
+            now: float) -> Memory:
+    """Take the generations a replica is ready with as the baseline only once they held
+    still for `settle` seconds: right after a group restart, peer reports lag, and a rank
+    that lost its rendezvous restarts a little later on its own; neither may count as a
+    new death."""
+    if memory.candidate != generations:
+        return replace(memory, candidate=generations, candidate_since=now)
+    if memory.candidate_since is not None and now - memory.candidate_since >= policy.settle:
+        return replace(memory, baseline=generations)
+    return memory
+
+
+__all__ = ["DEGRADED", "FAILED", "READY", "STARTING", "STOPPED", "UNKNOWN", "Memory",
+           "ReplicaPolicy", "RestartShard", "Verdict", "judge", "refused"]

@@ -1,0 +1,201 @@
+"""The supervisor's decisions, table-driven: each row is the evidence one judgement sees
+and the verdict it must reach (state, reason, actions, refused reports)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from llmgw_systemd.evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
+from llmgw_systemd.grouprestart import GroupRestartPolicy
+from llmgw_systemd.health import DEGRADED, FAILED, READY, STARTING, STOPPED
+from llmgw_systemd.replicastate import Memory, ReplicaPolicy, RestartShard, judge, refused
+from llmgw_systemd.unitstate import UnitState
+
+NOW = 1000.0
+GEN, OLD_GEN = "aa" * 16, "bb" * 16
+POLICY = ReplicaPolicy(name="rep", nodes=("a", "b"), rank=0, serving=True, stability=30,
+                       probe_fresh=3, peer_fresh=5, settle=10,
+                       group_restart=GroupRestartPolicy(delay=5, max_delay=60, budget=2,
+                                                        window=600))
+WORKER = replace(POLICY, rank=1, serving=False)
+
+
+def units(active: str = "active", sub: str = "running", *, gen: str = GEN,
+          up_for: float = 100, result: str = "success", load: str = "loaded"
+          ) -> LocalEvidence:
+    up = int((NOW - up_for) * 1e6) if active == "active" else 0
+    target = UnitState("llmgw-rep.target", load, "inactive" if active == "inactive"
+                       else "active", "dead" if active == "inactive" else "active")
+    engine = UnitState("llmgw-rep-engine.service", load, active, sub, result,
+                       active_enter_usec=up, invocation_id=gen)
+    return LocalEvidence(target, (engine,), NOW)
+
+
+UP = units()
+PROBE_OK = ProbeEvidence(True, "HTTP 200 in 3 ms", GEN, NOW - 1)
+PROBE_OLD_GEN = ProbeEvidence(True, "HTTP 200 in 3 ms", OLD_GEN, NOW - 1)
+PROBE_STALE = ProbeEvidence(True, "HTTP 200 in 3 ms", GEN, NOW - 10)
+PROBE_REFUSED = ProbeEvidence(False, "connection refused", GEN, NOW - 1)
+
+
+def peer(source: str, *shards: PeerShard, age: float = 1, authenticated: bool = True,
+         error: str = "") -> PeerEvidence:
+    return PeerEvidence(source, NOW - age, authenticated, tuple(shards), error)
+
+
+def shard(rank: int, node: str, state: str = READY, gen: str = "cc" * 16,
+          replica: str = "rep") -> PeerShard:
+    return PeerShard(replica, rank, node, state, f"{state} as {node} says", gen)
+
+
+B_READY = peer("b", shard(1, "b"))
+
+
+@dataclass(frozen=True)
+class Case:
+    what: str
+    local: LocalEvidence | None = UP
+    probe: ProbeEvidence | None = PROBE_OK
+    peers: dict[str, PeerEvidence] = field(default_factory=lambda: {"b": B_READY})
+    policy: ReplicaPolicy = POLICY
+    memory: Memory = field(default_factory=Memory)
+    state: str = READY
+    reason: str = ""
+    restarts: int = 0  # RestartShard actions expected
+    ignored: int = 0
+    systemd_error: str = ""
+
+
+CASES = [
+    Case("every rank fresh and ready", reason="all 2 ranks ready"),
+    Case("probe taken for an earlier start of the engine", probe=PROBE_OLD_GEN,
+         state=STARTING, reason="waiting for the first health probe"),
+    Case("probe older than interval + timeout", probe=PROBE_STALE, state=STARTING,
+         reason="waiting for the first health probe"),
+    Case("stale probe after this generation served", probe=PROBE_STALE,
+         memory=Memory(served=GEN), state=DEGRADED, reason="no health probe result"),
+    Case("probe refused after this generation served", probe=PROBE_REFUSED,
+         memory=Memory(served=GEN), state=DEGRADED, reason="stopped answering"),
+    Case("served in an earlier generation only: still starting", probe=PROBE_REFUSED,
+         memory=Memory(served=OLD_GEN), state=STARTING, reason="not answering yet"),
+    Case("systemd unreachable", local=None, systemd_error="Timeout was reached",
+         state=DEGRADED, reason="rank 0 on a: systemd unreachable: Timeout was reached"),
+    Case("peer's answer too old", peers={"b": peer("b", shard(1, "b"), age=6)},
+         state=DEGRADED, reason="report from the supervisor on b is 6 s old"),
+    Case("peer unreachable", peers={"b": peer("b", error="connection refused")},
+         state=DEGRADED, reason="supervisor on b unreachable: connection refused"),
+    Case("no word from the peer yet", peers={}, state=DEGRADED,
+         reason="no report yet from the supervisor on b"),
+    Case("a third node speaks for rank 1 while b is unreachable",
+         peers={"b": peer("b", error="timed out"), "c": peer("c", shard(1, "b"))},
+         state=DEGRADED, reason="b unreachable", ignored=1),
+    Case("b's supervisor claims to be another node", peers={"b": peer("b", shard(1, "c"))},
+         state=DEGRADED, reason="reports no shard of rep", ignored=1),
+    Case("b speaks for rank 0 too (ours): ignored",
+         peers={"b": peer("b", shard(1, "b"), shard(0, "b", FAILED))}, ignored=1),
+    Case("b reports a rank the spec does not have",
+         peers={"b": peer("b", shard(1, "b"), shard(7, "b", FAILED))}, ignored=1),
+    Case("reports about other replicas do not count",
+         peers={"b": peer("b", shard(1, "b", replica="other"))}, state=DEGRADED,
+         reason="reports no shard of rep"),
+    Case("TLS required, answer not authenticated",
+         policy=replace(POLICY, require_auth=True),
+         peers={"b": peer("b", shard(1, "b"), authenticated=False)}, state=DEGRADED,
+         reason="not authenticated", ignored=1),
+    Case("unauthenticated claim of a failed rank restarts nothing",
+         policy=replace(POLICY, require_auth=True),
+         peers={"b": peer("b", shard(1, "b", FAILED), authenticated=False)},
+         memory=Memory(failing_since=NOW - 100), state=DEGRADED, reason="not authenticated",
+         ignored=1),
+    Case("worker judged by staying up, its /health never asked", policy=WORKER,
+         probe=PROBE_REFUSED, peers={"a": peer("a", shard(0, "a"))}),
+    Case("worker inside its stability window", policy=WORKER, probe=None,
+         local=units(up_for=10), peers={"a": peer("a", shard(0, "a"))}, state=STARTING,
+         reason="up for 10 s of the 30 s"),
+    Case("a failed rank: wait the first delay", peers={"b": peer("b", shard(1, "b", FAILED))},
+         state=FAILED, reason="rank 1 on b failed: failed as b says; group restart 1 of 2 in 5 s"),
+    Case("a failed rank past the delay: restart this node's shard",
+         peers={"b": peer("b", shard(1, "b", FAILED))}, memory=Memory(failing_since=NOW - 5),
+         state=FAILED, reason="; group restart 1 of 2", restarts=1),
+    Case("budget spent: failed, nothing restarts", peers={"b": peer("b", shard(1, "b",
+                                                                             FAILED))},
+         memory=Memory(restarts=(NOW - 100, NOW - 50), failing_since=NOW - 40),
+         state=FAILED, reason="group restart budget spent: 2 restarts"),
+    Case("restarts older than the window no longer count",
+         peers={"b": peer("b", shard(1, "b", FAILED))},
+         memory=Memory(restarts=(NOW - 900, NOW - 800), failing_since=NOW - 10),
+         state=FAILED, restarts=1),
+    Case("peer restarted since the replica settled",
+         peers={"b": peer("b", shard(1, "b", STARTING, gen="dd" * 16))},
+         memory=Memory(baseline=((0, GEN), (1, "cc" * 16)), failing_since=NOW - 5),
+         state=DEGRADED, reason="rank 1 on b restarted", restarts=1),
+    Case("our shard restarted by itself: recorded, not restarted again",
+         local=units(gen="ee" * 16), probe=None,
+         memory=Memory(baseline=((0, GEN), (1, "cc" * 16)), failing_since=NOW - 5),
+         state=DEGRADED, reason="rank 0 on a restarted"),
+    Case("every rank started afresh: no death", local=units(gen="ee" * 16),
+         probe=ProbeEvidence(True, "HTTP 200", "ee" * 16, NOW),
+         peers={"b": peer("b", shard(1, "b", gen="ff" * 16))},
+         memory=Memory(baseline=((0, GEN), (1, "cc" * 16)))),
+    Case("a rank stopped on purpose is no death",
+         peers={"b": peer("b", shard(1, "b", STOPPED, gen="dd" * 16))},
+         memory=Memory(baseline=((0, GEN), (1, "cc" * 16))), state=DEGRADED,
+         reason="rank 1 on b: stopped as b says"),
+    Case("all stopped", local=units("inactive", "dead", gen=""), probe=None,
+         peers={"b": peer("b", shard(1, "b", STOPPED))}, state=STOPPED),
+    Case("our units not rendered", local=units("inactive", "dead", gen="", load="not-found"),
+         probe=None, state=FAILED, reason="not-found: render the spec"),
+    Case("a peer that is unreachable while ours fails: unknown, still failed",
+         local=units("failed", "failed", result="exit-code"), probe=None,
+         peers={"b": peer("b", error="refused")}, state=FAILED, reason="rank 0 on a"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.what for c in CASES])
+def test_judge(case: Case) -> None:
+    verdict = judge(case.policy, case.memory, local=case.local,
+                    systemd_error=case.systemd_error, probe=case.probe, peers=case.peers,
+                    now=NOW)
+    assert verdict.health.state == case.state, verdict.health
+    assert case.reason in verdict.health.reason
+    assert len(verdict.actions) == case.restarts
+    assert all(a == RestartShard("rep", a.reason) for a in verdict.actions)
+    ignored = [line for seen in case.peers.values() for line in refused(case.policy, seen)]
+    assert len(ignored) == case.ignored, ignored
+    # "ready" only ever with fresh evidence from every rank
+    if verdict.health.state == READY:
+        assert all(r.state == READY for r in verdict.ranks)
+    if verdict.actions:
+        assert verdict.memory.restarts[-1] == NOW
+
+
+def test_readiness_settles_before_a_restart_counts_as_a_death() -> None:
+    memory = Memory()
+    for t in (0.0, 5.0):
+        verdict = judge(POLICY, memory, local=UP, probe=replace(PROBE_OK, taken_at=NOW + t),
+                        peers={"b": replace(B_READY, received_at=NOW + t)}, now=NOW + t)
+        memory = verdict.memory
+        assert verdict.health.state == READY and not verdict.settled
+    verdict = judge(POLICY, memory, local=UP, probe=replace(PROBE_OK, taken_at=NOW + 10),
+                    peers={"b": replace(B_READY, received_at=NOW + 10)}, now=NOW + 10)
+    assert verdict.settled and verdict.memory.baseline == ((0, GEN), (1, "cc" * 16))
+
+
+def test_a_restart_clears_the_baseline_and_counts_once() -> None:
+    memory = Memory(baseline=((0, GEN), (1, "cc" * 16)))
+
+    def dead(t: float) -> dict[str, PeerEvidence]:
+        return {"b": replace(peer("b", shard(1, "b", FAILED)), received_at=t)}
+
+    first = judge(POLICY, memory, local=UP, probe=PROBE_OK, peers=dead(NOW), now=NOW)
+    assert not first.actions and first.memory.failing_since == NOW
+    later = judge(POLICY, first.memory, local=UP, probe=replace(PROBE_OK, taken_at=NOW + 5),
+                  peers=dead(NOW + 5), now=NOW + 5)
+    assert len(later.actions) == 1 and later.memory.restarts == (NOW + 5,)
+    assert later.memory.baseline is None and later.notes
+    # the peer still says failed right after: the next restart waits twice as long
+    again = judge(POLICY, later.memory, local=UP, probe=replace(PROBE_OK, taken_at=NOW + 6),
+                  peers=dead(NOW + 6), now=NOW + 6)
+    assert not again.actions and "2 of 2 in" in again.health.reason
