@@ -122,7 +122,7 @@ def main() -> None:
                 if armed.is_set() and path.endswith(escaped) and "sig" not in seen:
                     seen["sig"] = time.perf_counter()
 
-            bus.watch(on_signal)
+            bus.watch([unit], on_signal)
             raw, via_api = [], []
             for _ in range(options.trials):
                 wait_until(lambda: replica_state(port, "bench-000") == "ready", 30, "ready")

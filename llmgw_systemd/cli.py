@@ -44,7 +44,7 @@ def _find_helper() -> str:
 def _print_version(ctx: click.Context, value: bool) -> None:
     # click.version_option would import locale (~1.5 ms) on every run
     if value:
-        click.echo(f"llmgw-render {__version__}")
+        click.echo(f"{ctx.find_root().info_name or 'llmgw-systemd'} {__version__}")
         ctx.exit()
 
 
@@ -177,40 +177,94 @@ def systemd_main() -> None:
     _run(cli=systemd_group, prog="llmgw-systemd")
 
 
+def _default_state_dir(user_manager: bool) -> str:
+    """systemd's StateDirectory= (it sets $STATE_DIRECTORY), else the usual place."""
+    if os.environ.get("STATE_DIRECTORY"):
+        return os.environ["STATE_DIRECTORY"].split(":")[0]
+    if user_manager:
+        base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+        return os.path.join(base, "llmgw-supervisor")
+    return "/var/lib/llmgw-supervisor"
+
+
+def _endpoint_option(option: str, text: str) -> tuple[str, int]:
+    from .endpoint import is_ip, parse_endpoint
+
+    endpoint = parse_endpoint(text)
+    if isinstance(endpoint, str):
+        raise UsageError(option, endpoint)
+    if not is_ip(endpoint.host):
+        raise UsageError(option, f"expected an IP address to listen on; got '{endpoint.host}'")
+    return endpoint.host, endpoint.port
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("specs", nargs=-1, metavar="[SPEC]...")
 @click.option("--node", metavar="NAME", help="This node's name [default: the host name].")
 @click.option("--user", "user_manager", is_flag=True,
               help="Watch the user manager (systemctl --user) instead of the system one.")
-@click.option("--listen", default="127.0.0.1:9470", show_default=True, metavar="HOST:PORT",
-              help="Where the read-only API listens; a node's address to serve its peers.")
+@click.option("--listen", default="127.0.0.1:9470", show_default=True, metavar="ADDR:PORT",
+              help="Where the API listens (TLS when configured); the node's address to "
+                   "serve its peers; IPv6 as [ADDR]:PORT.")
+@click.option("--local", "local", metavar="ADDR:PORT",
+              help="An extra plain-HTTP listener for tools on this node; loopback only.")
 @click.option("--peer-port", type=click.IntRange(1, 65535), metavar="PORT",
               help="The port peer supervisors listen on [default: --listen's port].")
+@click.option("--tls-cert", metavar="FILE", help="This node's certificate (PEM).")
+@click.option("--tls-key", metavar="FILE", help="This node's private key (PEM).")
+@click.option("--tls-ca", metavar="FILE", help="The cluster CA's certificate (PEM) [default "
+              "for all three: tls_node.crt, tls_node.key, tls_ca.crt (or the names without "
+              "tls_) in $CREDENTIALS_DIRECTORY; none: plain HTTP].")
+@click.option("--state-dir", metavar="DIR",
+              help="Where group restarts are recorded [default: $STATE_DIRECTORY, else "
+                   "/var/lib/llmgw-supervisor].")
+@click.option("--dbus-timeout", type=click.FloatRange(0.1, 120), default=5.0,
+              show_default=True, metavar="SECONDS",
+              help="Bound on every D-Bus call, connecting included.")
+@click.option("--peer-timeout", type=click.FloatRange(0.1, 120), default=2.0,
+              show_default=True, metavar="SECONDS",
+              help="Bound on a peer fetch beyond its long-poll wait (connect, TLS, body).")
 @click.option("--version", is_flag=True, is_eager=True, expose_value=False,
               callback=lambda ctx, _param, value: _print_version(ctx, value),
               help="Show the version and exit.")
 def supervisor_command(specs: tuple[str, ...], node: str | None, user_manager: bool,
-                       listen: str, peer_port: int | None) -> None:
+                       listen: str, local: str | None, peer_port: int | None,
+                       tls_cert: str | None, tls_key: str | None, tls_ca: str | None,
+                       state_dir: str | None, dbus_timeout: float, peer_timeout: float
+                       ) -> None:
     """Watch this node's shards through systemd, judge replica health with the peer
     supervisors, restart replicas as a group, and serve the result as JSON and metrics."""
     import gc as collector
     import signal
 
-    from .endpoint import parse_endpoint
-    from .supervisor import SupervisorConfig, serve
+    from .statefile import check_writable
+    from .supervisor import SupervisorConfig, is_loopback, serve
+    from .tlsconfig import TlsError, client_context, find_tls_files, server_context
 
     collector.enable()  # a long-running daemon: _run turned it off for the short-lived CLIs
     try:
-        endpoint = parse_endpoint(listen)
-        if isinstance(endpoint, str):
-            raise UsageError("--listen", endpoint)
+        host, port = _endpoint_option("--listen", listen)
+        extra = _endpoint_option("--local", local) if local else None
+        if extra is not None and not is_loopback(extra[0]):
+            raise UsageError("--local", f"plain HTTP listens on loopback only; got '{local}'")
+        try:
+            tls = find_tls_files(tls_cert, tls_key, tls_ca,
+                                 credentials_dir=os.environ.get("CREDENTIALS_DIRECTORY"))
+            if tls is not None:  # every file read and checked now, not at the first peer
+                server_context(tls)
+                client_context(tls)
+        except TlsError as exc:
+            raise UsageError("--tls-cert/--tls-key/--tls-ca", str(exc)) from None
+        directory = state_dir or _default_state_dir(user_manager)
+        check_writable(directory)
         config = SupervisorConfig(
             specs=specs or DEFAULT_SPECS, node=node or os.uname().nodename,
-            user=user_manager, listen_host=endpoint.host, listen_port=endpoint.port,
-            peer_port=peer_port or endpoint.port)
+            state_dir=directory, user=user_manager, listen_host=host, listen_port=port,
+            local=extra, peer_port=peer_port or port, tls=tls, dbus_timeout=dbus_timeout,
+            peer_timeout=peer_timeout)
         serve(config, (signal.SIGTERM, signal.SIGINT))
     except OSError as exc:
-        _fail("llmgw-supervisor", LlmgwError(f"cannot listen on {listen}: {exc.strerror}"))
+        _fail("llmgw-supervisor", LlmgwError(f"cannot listen: {exc.strerror or exc}"))
     except LlmgwError as exc:
         _fail("llmgw-supervisor", exc)
 

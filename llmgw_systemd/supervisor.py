@@ -1,101 +1,209 @@
-"""llmgw-supervisor: replica health from systemd over D-Bus, group restarts, API, metrics.
+"""llmgw-supervisor: the I/O shell around the pure rules in `replicastate`.
 
-Everything it reports is rebuilt from systemd and from the peers' own reports; the only
-state it keeps is what cannot be read back (probe results, when a replica last was
-ready, the times of its own group restarts), so a restarted supervisor loses nothing
-that matters. Threads: the D-Bus signal loop (a trigger only), probes and peer fetches
-(each bounded by a timeout), the HTTP server, and the reconcile loop that owns the state.
+It gathers evidence (systemd over D-Bus, HTTP probes of this node's serving ranks, the
+peer supervisors' reports), calls `replicastate.judge` for each replica, carries out the
+actions it returns (restart this node's shard), and publishes the result (JSON API,
+metrics, sd_notify STATUS=). It decides nothing in the middle of I/O.
+
+Threads, each bounded (docs/supervisor.md, "Threads"):
+- reconcile: owns the evidence and the memory; woken by signals, probes and peers, and a
+  slow timer; every D-Bus call in it has a timeout;
+- dbus-signals: GLib's loop, a trigger only;
+- one prober per serving shard and one fetcher per peer node, so neither can starve the
+  other or another replica's evidence;
+- the HTTP servers (asyncio, one thread);
+- the watchdog: pings systemd while the reconcile loop is alive, whatever D-Bus does.
 """
 
 from __future__ import annotations
 
-import json
+import ipaddress
 import os
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from typing import Any
 
-from . import health as states
+from . import api
 from .errors import LlmgwError
-from .grouprestart import GIVE_UP, NOW, decide
-from .health import Health, Probe, RankReport, replica_health
+from .evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
+from .health import READY
+from .httpserve import Changes, HttpServer, Request, Response
+from .metrics import SupervisorMetrics
+from .peerclient import PeerError, fetch_shards
+from .probe import http_probe, probe_address
+from .replicastate import Memory, ReplicaPolicy, Verdict, judge, refused
 from .sdnotify import notify, watchdog_interval
-from .shards import LocalShard, ShardStatus, local_shards, probe_shard, read_status
+from .shards import LocalShard, local_shards
 from .sources import read_documents, spec_files
-from .spec import Replica, Spec, build_spec
+from .spec import Spec, build_spec
+from .statefile import StateError, load_restarts, save_restarts
 from .systemd_dbus import BusError, SystemdBus
-
-API_VERSION = "v1"
+from .tlsconfig import TlsFiles, client_context, names_node, server_context
 
 
 @dataclass(frozen=True)
 class SupervisorConfig:
     specs: tuple[str, ...]
     node: str
+    state_dir: str
     user: bool = False
     listen_host: str = "127.0.0.1"
     listen_port: int = 9470
+    local: tuple[str, int] | None = None  # an extra plain-HTTP listener on loopback
     peer_port: int = 9470
+    tls: TlsFiles | None = None
     reconcile_interval: float = 5.0  # the slow timer; signals trigger sooner
-    # One stop sends ~5 signals: they coalesce (a burst during a reconcile causes one
-    # more); an extra delay here would only add to the detection latency.
-    debounce: float = 0.0
-    peer_interval: float = 0.5
-    peer_timeout: float = 2.0
+    peer_wait: float = 2.0  # long-poll: a peer answers at least this often
+    peer_timeout: float = 2.0  # beyond the wait: connect, TLS, headers and body
+    peer_max_bytes: int = 1 << 20
     dbus_timeout: float = 5.0
+    max_connections: int = 4096
+
+
+class RateLimitedLog:
+    """One line per key per interval; the rest are counted and summed up next time."""
+
+    def __init__(self, interval: float = 30.0) -> None:
+        self.interval = interval
+        self.last: dict[str, tuple[float, int]] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, key: str, message: str) -> None:
+        now = time.monotonic()
+        with self.lock:
+            at, dropped = self.last.get(key, (-1e9, 0))
+            if now - at < self.interval:
+                self.last[key] = (at, dropped + 1)
+                return
+            self.last[key] = (now, 0)
+            if len(self.last) > 1000:  # keys come from the spec, but stay bounded
+                self.last = {key: (now, 0)}
+        suffix = f" ({dropped} similar since)" if dropped else ""
+        log(message + suffix)
 
 
 def log(message: str) -> None:
     print(f"llmgw-supervisor: {message}", file=sys.stderr, flush=True)
 
 
-@dataclass
-class ReplicaView:
-    """What the supervisor knows about one replica with a shard on this node."""
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
-    health: Health
-    ranks: list[RankReport]
-    restarts: list[float] = field(default_factory=list)
-    failing_since: float | None = None
-    ready_generations: dict[int, int] | None = None  # the baseline a death is seen from
-    candidate: dict[int, int] | None = None  # generations settling into a baseline
-    ready_since: float | None = None
-    next_restart: str = ""
+
+class Prober:
+    """Probes one serving shard every interval, and at once when its generation changes."""
+
+    def __init__(self, supervisor: Supervisor, shard: LocalShard) -> None:
+        self.supervisor, self.shard = supervisor, shard
+        self.stop = threading.Event()
+        self.poke = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True,
+                                       name=f"probe-{shard.replica.name}")
+
+    def run(self) -> None:
+        replica, sup = self.shard.replica, self.supervisor
+        host, port = probe_address(replica.host), replica.port
+        while not self.stop.is_set() and port is not None:
+            generation = sup.generation_of(replica.name)
+            if generation:
+                started = time.monotonic()
+                result = http_probe(host, port, replica.health.path, replica.health.timeout)
+                sup.metrics.probe_seconds.labels(replica.name).observe(
+                    time.monotonic() - started)
+                sup.add_probe(replica.name, ProbeEvidence(result.ok, result.detail,
+                                                          generation, started))
+            self.poke.wait(replica.health.interval)
+            self.poke.clear()
+
+
+MAX_FETCH_RATE = 20.0  # per peer node, per second
+
+
+class PeerFetcher:
+    """Long-polls one peer node's supervisor; every outcome becomes evidence."""
+
+    def __init__(self, supervisor: Supervisor, node: str, address: str) -> None:
+        self.supervisor, self.node, self.address = supervisor, node, address
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True, name=f"peer-{node}")
+
+    def run(self) -> None:
+        sup, config = self.supervisor, self.supervisor.config
+        context = client_context(config.tls) if config.tls is not None else None
+        after: int | None = None
+        failures = 0
+        started = -1.0
+        while not self.stop.is_set():
+            # at most MAX_FETCH_RATE fetches a second, even from a peer that ignores the
+            # long-poll's wait or changes its version on every answer
+            if self.stop.wait(max(0.0, started + 1 / MAX_FETCH_RATE - time.monotonic())):
+                break
+            started = time.monotonic()
+            try:
+                wait = config.peer_wait if after is not None else 0.0
+                answer = fetch_shards(
+                    self.address, config.peer_port, after=after, wait=wait,
+                    deadline=wait + config.peer_timeout,
+                    ssl_context=context, server_hostname=self.address,
+                    max_bytes=config.peer_max_bytes)
+            except PeerError as exc:
+                failures += 1
+                after = None
+                sup.metrics.peer_failures.labels(self.node, exc.kind).inc()
+                sup.peer_log(f"peer:{self.node}:{exc.kind}",
+                             f"peer {self.node} ({self.address}): {exc}")
+                sup.add_peer(PeerEvidence(self.node, time.monotonic(), False,
+                                          error=str(exc)))
+                # back off, bounded: a dead peer costs one attempt every few seconds
+                self.stop.wait(min(0.25 * 2 ** min(failures, 5), 5.0))
+                continue
+            failures = 0
+            after = answer.version
+            authenticated = (answer.peer_cert is not None and
+                             names_node(answer.peer_cert, self.node, self.address))
+            sup.add_peer(PeerEvidence(self.node, time.monotonic(), authenticated, tuple(
+                PeerShard(s.replica, s.rank, s.node, s.state, s.reason, s.generation)
+                for s in answer.shards)))
 
 
 class Supervisor:
     def __init__(self, config: SupervisorConfig) -> None:
         self.config = config
         self.bus = SystemdBus(user=config.user, timeout=config.dbus_timeout)
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()  # guards the evidence tables below
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.spec: Spec | None = None
         self.spec_stamp: tuple[tuple[str, float], ...] = ()
+        self.reload_requested = False
         self.shards: list[LocalShard] = []
-        self.statuses: dict[str, ShardStatus] = {}
-        self.generations: dict[str, int] = {}
-        self.probes: dict[str, Probe | None] = {}
-        self.probe_due: dict[str, float] = {}
-        self.ready_invocation: dict[str, int] = {}  # replica -> engine start it was ready in
-        self.peers: dict[tuple[str, int], tuple[float, RankReport, int]] = {}
-        self.replicas: dict[str, ReplicaView] = {}
-        self.bus_error: str = ""
+        self.policies: dict[str, ReplicaPolicy] = {}
+        # evidence, written by the gathering threads, read by reconcile
+        self.local: dict[str, LocalEvidence] = {}
+        self.probes: dict[str, ProbeEvidence] = {}
+        self.peers: dict[str, PeerEvidence] = {}
+        self.probe_woke: set[str] = set()
+        # the reconcile thread's own
+        self.memory: dict[str, Memory] = {}
+        self.verdicts: dict[str, Verdict] = {}
+        self.bus_error = ""
         self.last_full = 0.0
-        self.probe_changed: set[str] = set()
-        self.version = 0  # bumped by every reconcile: API answers are cached per version
-        self.api_cache: dict[str, tuple[int, bytes]] = {}
-        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
-        self.in_flight: set[str] = set()
-        self.metrics = _Metrics()
-        self.server: ThreadingHTTPServer | None = None
+        self.heartbeat = time.monotonic()
+        self.saved_restarts: dict[str, tuple[float, ...]] = {}
+        self.probers: dict[str, Prober] = {}
+        self.fetchers: dict[tuple[str, str], PeerFetcher] = {}
+        self.changes = Changes()
+        self.published = api.Published(config.node, 0)
+        self.servers: dict[str, HttpServer] = {}
+        self.metrics = SupervisorMetrics(
+            lambda: {name: server.stats for name, server in self.servers.items()})
+        self.peer_log = RateLimitedLog()
 
     # -- configuration ------------------------------------------------------------------
 
@@ -108,9 +216,9 @@ class Supervisor:
             stamp = (("error", 0.0),)
             if self.spec is None:
                 raise LlmgwError(f"cannot read the spec: {exc}") from None
-        if stamp == self.spec_stamp:
+        if stamp == self.spec_stamp and not self.reload_requested:
             return
-        self.spec_stamp = stamp
+        self.spec_stamp, self.reload_requested = stamp, False
         try:
             spec = build_spec(read_documents(self.config.specs))
             shards = local_shards(spec, self.config.node)
@@ -119,442 +227,331 @@ class Supervisor:
                 raise
             log(f"spec reload failed, keeping the last good configuration: {exc}")
             return
+        self.spec, self.shards = spec, shards
+        self.policies = {s.replica.name: self._policy(s) for s in shards}
+        names = set(self.policies)
         with self.lock:
-            self.spec, self.shards = spec, shards
-            names = {s.replica.name for s in shards}
-            for table in (self.statuses, self.probes, self.probe_due, self.replicas):
+            for table in (self.local, self.probes):
                 for gone in set(table) - names:
                     del table[gone]
+        for gone in set(self.memory) - names:
+            del self.memory[gone]
+        for gone in set(self.verdicts) - names:
+            del self.verdicts[gone]
+        for name in names - set(self.memory):
+            self.memory[name] = Memory(restarts=self._restarts_from_disk(name))
+        self.metrics.forget_others(names)
+        self._sync_threads()
+        with self.lock:
+            peers = {node for node, _ in self.fetchers}
+            for gone in set(self.peers) - peers:
+                del self.peers[gone]
+        self.metrics.forget_peers(peers)
+        self.last_full = 0.0  # read every unit again
         log(f"watching {len(shards)} shard(s) on node {self.config.node}: "
             f"{', '.join(s.replica.name for s in shards) or 'none'}")
+        if self.bus_error == "":
+            self._watch()
+
+    def _policy(self, shard: LocalShard) -> ReplicaPolicy:
+        replica, config = shard.replica, self.config
+        check = replica.health
+        return ReplicaPolicy(
+            name=replica.name, nodes=tuple(n.name for n in replica.nodes),
+            rank=shard.plan.rank, serving=shard.serving, stability=check.stability,
+            probe_fresh=check.interval + check.timeout + 1.0,
+            peer_fresh=config.peer_wait + config.peer_timeout + 1.0,
+            settle=config.peer_wait + config.peer_timeout + replica.restart.delay + 1.0,
+            group_restart=replica.group_restart, require_auth=config.tls is not None)
+
+    def _sync_threads(self) -> None:
+        """One prober per serving shard, one fetcher per peer node: started and stopped
+        as the spec changes."""
+        wanted_probes = {s.replica.name: s for s in self.shards
+                         if s.serving and s.replica.port is not None}
+        wanted_peers = {(n.name, n.address) for s in self.shards
+                        for rank, n in enumerate(s.replica.nodes) if rank != s.plan.rank}
+        for name in list(self.probers):
+            if name not in wanted_probes or self.probers[name].shard != wanted_probes[name]:
+                self.probers.pop(name).stop.set()
+        for key in list(self.fetchers):
+            if key not in wanted_peers:
+                self.fetchers.pop(key).stop.set()
+        for name, shard in wanted_probes.items():
+            if name not in self.probers:
+                self.probers[name] = Prober(self, shard)
+                self.probers[name].thread.start()
+        for node, address in sorted(wanted_peers - set(self.fetchers)):
+            self.fetchers[(node, address)] = PeerFetcher(self, node, address)
+            self.fetchers[(node, address)].thread.start()
+
+    # -- durable state -------------------------------------------------------------------
+
+    def _restarts_from_disk(self, name: str) -> tuple[float, ...]:
+        offset = time.monotonic() - time.time()  # wall-clock -> monotonic
+        return tuple(t + offset for t in self.saved_restarts.get(name, ()))
+
+    def _save_restarts(self) -> None:
+        offset = time.time() - time.monotonic()
+        record = {name: tuple(t + offset for t in memory.restarts)
+                  for name, memory in self.memory.items() if memory.restarts}
+        if record == self.saved_restarts:
+            return
+        try:
+            save_restarts(self.config.state_dir, record)
+        except StateError as exc:
+            self.peer_log("state", f"{exc}")
+            return
+        self.saved_restarts = record
+
+    # -- evidence in (any thread) ----------------------------------------------------------
+
+    def generation_of(self, replica: str) -> str:
+        with self.lock:
+            local = self.local.get(replica)
+        return local.generation if local is not None and not self.bus_error else ""
+
+    def add_probe(self, replica: str, evidence: ProbeEvidence) -> None:
+        with self.lock:
+            self.probes[replica] = evidence
+            self.probe_woke.add(replica)
+        self.wake.set()
+
+    def add_peer(self, evidence: PeerEvidence) -> None:
+        for policy in list(self.policies.values()):  # counted once per answer received
+            for line in refused(policy, evidence):
+                self.metrics.ignored_reports.labels(policy.name).inc()
+                self.peer_log(f"ignored:{policy.name}:{evidence.source}",
+                              f"{policy.name}: ignored a report: {line}")
+        with self.lock:
+            self.peers[evidence.source] = evidence
+        self.wake.set()
 
     # -- the loop -----------------------------------------------------------------------
 
     def run(self) -> None:
+        self.saved_restarts, warning = load_restarts(self.config.state_dir)
+        if warning:
+            log(warning)
         self.load_spec()
         self._start_http()
-        self._watch()
-        threading.Thread(target=self._probe_loop, name="probes", daemon=True).start()
-        threading.Thread(target=self._peer_loop, name="peers", daemon=True).start()
+        threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
         self.reconcile()
         notify("READY=1")
-        ping = watchdog_interval()
-        last_ping = 0.0
         while not self.stopping.is_set():
-            timeout = self.config.reconcile_interval
-            if ping is not None:
-                timeout = min(timeout, ping)
-            if self.wake.wait(timeout) and self.config.debounce:
-                time.sleep(self.config.debounce)
+            self.heartbeat = time.monotonic()
+            self.wake.wait(self.config.reconcile_interval)
             self.wake.clear()
+            if self.stopping.is_set():
+                break
             self.load_spec()
             self.reconcile()
-            if ping is not None and time.monotonic() - last_ping >= ping:
-                notify("WATCHDOG=1")
-                last_ping = time.monotonic()
 
     def stop(self) -> None:
         self.stopping.set()
         self.wake.set()
-        if self.server is not None:
-            self.server.shutdown()
+        for prober in self.probers.values():
+            prober.stop.set()
+            prober.poke.set()
+        for fetcher in self.fetchers.values():
+            fetcher.stop.set()
+        for server in self.servers.values():
+            server.stop()
         self.bus.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _watchdog(self) -> None:
+        """WATCHDOG=1 while the reconcile loop is alive. Its D-Bus calls are bounded, so
+        a stalled bus shows as 'systemd unreachable' in the API, not as a dead process."""
+        ping = watchdog_interval()
+        if ping is None:
+            return
+        stuck = 3 * self.config.dbus_timeout + self.config.reconcile_interval + 5
+        while not self.stopping.wait(ping):
+            if time.monotonic() - self.heartbeat < stuck:
+                notify("WATCHDOG=1")
 
     def _watch(self) -> None:
+        names = [n for s in self.shards for n in (s.plan.target.name, *s.members)]
         try:
-            self.bus.watch(lambda _path: self.wake.set())
+            self.bus.watch(names, lambda _path: self.wake.set())
         except BusError as exc:
-            self.bus_error = str(exc)
-            log(f"cannot watch systemd yet: {exc}")
+            self._lost(exc)
+
+    def _lost(self, exc: BusError) -> None:
+        if not self.bus_error:
+            log(f"lost systemd: {exc}")
+        self.bus_error = str(exc)
+        with self.lock:
+            self.local.clear()  # never judge on what systemd said before it went away
 
     def reconcile(self) -> None:
-        """Read systemd and judge. On a slow tick, everything; on signals, only the
-        shards whose units signalled (one stop of one unit costs a read of 3 units, not
-        of every unit on the node)."""
+        """Read what changed in systemd (on the slow tick: everything), then judge every
+        replica and publish. A signal for one unit costs a read of its shard only."""
         now = time.monotonic()
         slow_tick = now - self.last_full >= self.config.reconcile_interval
-        with self.lock:
-            shards = list(self.shards)
-            probes = dict(self.probes)
-            was_ready = frozenset(r for r, inv in self.ready_invocation.items()
-                                  if inv == self.generations.get(r))
+        shards = list(self.shards)
         try:
-            if slow_tick:
+            if self.bus_error:
+                self.bus.reconnect()
+                self._watch_or_raise()
+            elif slow_tick:
                 self.bus.resubscribe()  # cheap; signals come back after a daemon-reexec
             changed = self.bus.changed_units()
-            with self.lock:
-                probed, self.probe_changed = self.probe_changed, set()
             if not slow_tick and changed is not None and not self.bus_error:
-                shards = [s for s in shards if s.replica.name in probed or
-                          changed & {s.plan.target.name, *s.members}]
+                shards = [s for s in shards if changed & {s.plan.target.name, *s.members}]
             else:
                 self.last_full = now
-            if shards and not slow_tick and not self.bus_error:
-                # a first look from the bulk call alone, published at once: this is what
-                # makes a dead member visible within milliseconds of systemd's signal
-                self._publish(read_status(self.bus, shards, probes, was_ready,
-                                          properties=False), time.monotonic(),
-                              all_replicas=False)
-            statuses = read_status(self.bus, shards, probes, was_ready) if shards else []
+            if shards:
+                if not slow_tick:
+                    # a first look from the bulk call alone, published at once: this is
+                    # what makes a dead member visible within milliseconds of its signal
+                    self._read(shards, properties=False)
+                    self._judge_and_publish(time.monotonic())
+                self._read(shards, properties=True)
             if self.bus_error:
                 log("systemd is reachable again")
                 self.bus_error = ""
-                self._watch()  # a new connection needs Subscribe() again
         except BusError as exc:
-            if not self.bus_error:
-                log(f"lost systemd: {exc}")
-            self.bus_error = str(exc)
-            self.bus.reconnect()
-            statuses = []
-        self._publish(statuses, time.monotonic())
-        self.metrics.update(self)
-        ready = sum(1 for v in self.replicas.values() if v.health.state == states.READY)
-        notify(f"STATUS={len(self.replicas)} replica(s), {ready} ready"
-               + (f"; systemd unreachable: {self.bus_error}" if self.bus_error else ""))
+            self._lost(exc)
+        self._judge_and_publish(time.monotonic())
 
-    def _publish(self, statuses: Sequence[ShardStatus], now: float, *,
-                 all_replicas: bool = True) -> None:
+    def _watch_or_raise(self) -> None:
+        names = [n for s in self.shards for n in (s.plan.target.name, *s.members)]
+        self.bus.watch(names, lambda _path: self.wake.set())
+
+    def _read(self, shards: Sequence[LocalShard], *, properties: bool) -> None:
+        names = [n for s in shards for n in (s.plan.target.name, *s.members)]
+        self.metrics.dbus_reads.inc()
+        states = self.bus.snapshot(names, properties=properties)
+        read_at = time.monotonic()
+        evidence = {s.replica.name: LocalEvidence(states[s.plan.target.name],
+                                                  tuple(states[m] for m in s.members),
+                                                  read_at) for s in shards}
         with self.lock:
-            for status in statuses:
-                self.statuses[status.replica] = status
-                self.generations[status.replica] = max(
-                    (u.active_enter_usec for u in status.units[1:]), default=0)
-            if self.bus_error:
-                self.statuses = {}
-            touched = {s.replica for s in statuses}
-            for shard in self.shards:
-                if all_replicas or shard.replica.name in touched:
-                    self._judge_replica(shard, now)
-            self.version += 1
+            changed = [name for name, e in evidence.items()
+                       if name in self.local and self.local[name].generation != e.generation]
+            self.local.update(evidence)
+        for name in changed:  # a new start of the engine: probe it now, not in a while
+            prober = self.probers.get(name)
+            if prober is not None:
+                prober.poke.set()
 
-    # -- replica health and group restarts (under self.lock) ----------------------------
+    def _judge_and_publish(self, now: float) -> None:
+        with self.lock:
+            local, probes, peers = dict(self.local), dict(self.probes), dict(self.peers)
+        for shard in self.shards:
+            name = shard.replica.name
+            policy = self.policies[name]
+            verdict = judge(policy, self.memory.get(name, Memory()), local=local.get(name),
+                            systemd_error=self.bus_error, probe=probes.get(name),
+                            peers=peers, now=now)
+            self.memory[name] = verdict.memory
+            self.verdicts[name] = verdict
+            for note in verdict.notes:
+                log(note)
+            for _restart in verdict.actions:  # RestartShard is the only action
+                target = shard.plan.target.name
+                try:
+                    self.bus.restart(target)
+                except BusError as exc:
+                    log(f"{name}: restart of {target} failed: {exc}")
+        self._save_restarts()
+        self._publish(local, now)
 
-    def _local_report(self, shard: LocalShard) -> RankReport:
-        status = self.statuses.get(shard.replica.name)
-        if status is None:
-            reason = f"systemd unreachable: {self.bus_error}" if self.bus_error else "no data"
-            return RankReport(shard.plan.rank, shard.plan.node, states.UNKNOWN, reason)
-        return RankReport(status.rank, status.node, status.health.state, status.health.reason)
+    # -- publishing ----------------------------------------------------------------------
 
-    def _judge_replica(self, shard: LocalShard, now: float) -> None:
-        replica = shard.replica
-        reports = [self._local_report(shard)]
-        generations = {shard.plan.rank: self.generations.get(replica.name, 0)}
-        for rank, node in enumerate(replica.nodes):
-            if rank == shard.plan.rank:
+    def _publish(self, local: dict[str, LocalEvidence], now: float) -> None:
+        shards: list[dict[str, Any]] = []
+        replicas: list[dict[str, Any]] = []
+        window = {name: p.group_restart.window for name, p in self.policies.items()}
+        for shard in self.shards:
+            name = shard.replica.name
+            verdict = self.verdicts.get(name)
+            if verdict is None:
                 continue
-            seen = self.peers.get((replica.name, rank))
-            stale = 3 * self.config.peer_interval + self.config.peer_timeout
-            if seen is None:
-                reports.append(RankReport(rank, node.name, states.UNKNOWN,
-                                          f"no report yet from the supervisor on {node.name}"))
-            elif now - seen[0] > stale and seen[1].state != states.UNKNOWN:
-                age = now - seen[0]
-                reports.append(RankReport(rank, node.name, states.UNKNOWN, "report from the "
-                                          f"supervisor on {node.name} is {age:.0f} s old"))
-            else:
-                reports.append(seen[1])
-                generations[rank] = seen[2]
-        health = replica_health(reports, len(replica.nodes))
-        view = self.replicas.setdefault(replica.name, ReplicaView(health, reports))
-        view.ranks = sorted(reports, key=lambda r: r.rank)
-        if health.state == states.STOPPED:
-            view.failing_since, view.ready_generations, view.health = None, None, health
-            return
-        # A rank restarted if its units started again since the replica was ready; a
-        # stopped rank is not one (it was stopped, and its units may be unloaded).
-        baseline = view.ready_generations
-        running = {r.rank for r in reports if r.state not in (states.STOPPED, states.UNKNOWN)}
-        restarted = sorted(k for k, gen in (baseline or {}).items()
-                           if k in running and generations.get(k, gen) not in (0, gen))
-        failed = [r.rank for r in reports if r.state == states.FAILED]
-        if restarted and not failed and all(k in restarted for k in range(len(replica.nodes))):
-            restarted = []  # every rank started afresh (or the only one did): nothing stale
-        if not restarted and not failed:
-            if health.state == states.READY:
-                view.failing_since, view.next_restart = None, ""
-                if baseline is None:
-                    self._settle(view, replica, generations, now)
-                else:
-                    view.ready_generations = generations
-            else:
-                view.candidate, view.ready_since = None, None
-            view.health = health
-            return
-        # A rank died (it failed, or restarted since the replica was last ready): the
-        # others hold state that died with it (a Ray placement group, a torch process
-        # group), so every rank restarts together, with backoff and a budget.
-        died = "; ".join([*(f"rank {k} restarted" for k in restarted),
-                          *(f"rank {k} failed" for k in failed)])
-        if view.failing_since is None:
-            view.failing_since = now
-        decision = decide(replica.group_restart, tuple(view.restarts), view.failing_since, now)
-        if decision.action == GIVE_UP:
-            view.health = Health(states.FAILED, f"{died}; {decision.reason}")
-            view.next_restart = ""
-            return
-        state = states.FAILED if failed else states.DEGRADED
-        view.health = Health(state, f"{died}; {decision.reason}")
-        view.next_restart = decision.reason
-        if decision.action == NOW:
-            mine = shard.plan.rank
-            fresh = mine in restarted and reports[0].state != states.FAILED
-            self._group_restart(shard, view, now, decision.reason, skip=fresh)
-
-    def _settle(self, view: ReplicaView, replica: Replica, generations: dict[int, int],
-                now: float) -> None:
-        """Take the generations a replica is ready with as the baseline only once they
-        held still for a while: right after a (group) restart, peer reports lag by up to
-        a poll, and a rank that lost its rendezvous restarts a little later on its own;
-        neither may count as a new death."""
-        settle = (3 * self.config.peer_interval + self.config.peer_timeout
-                  + replica.restart.delay + 1)
-        if view.candidate != generations:
-            view.candidate, view.ready_since = dict(generations), now
-        elif view.ready_since is not None and now - view.ready_since >= settle:
-            view.ready_generations = dict(generations)
-
-    def _group_restart(self, shard: LocalShard, view: ReplicaView, now: float,
-                       why: str, *, skip: bool) -> None:
-        """Restart this node's shard; every rank's supervisor does the same for its own.
-        A shard that already restarted since the replica was ready is fresh: left as is."""
-        target = shard.plan.target.name
-        if skip:
-            log(f"{shard.replica.name}: a rank died; this node's shard already restarted "
-                f"({why})")
-        else:
-            log(f"{shard.replica.name}: a rank died; restarting this node's shard "
-                f"({target}): {why}")
-            try:
-                self.bus.restart(target)
-            except BusError as exc:
-                log(f"{shard.replica.name}: restart of {target} failed: {exc}")
-                return
-        view.restarts.append(now)
-        view.failing_since = None
-        # the next settled ready state sets the new baseline
-        view.ready_generations, view.candidate, view.ready_since = None, None, None
-        self.metrics.group_restarts.labels(replica=shard.replica.name).inc()
-
-    # -- probes and peers ----------------------------------------------------------------
-
-    def _probe_loop(self) -> None:
-        while not self.stopping.wait(0.2):
-            now = time.monotonic()
-            with self.lock:
-                due = [s for s in self.shards if s.serving and s.replica.name not in
-                       self.in_flight and self.probe_due.get(s.replica.name, 0) <= now]
-                for shard in due:
-                    self.in_flight.add(shard.replica.name)
-                    self.probe_due[shard.replica.name] = now + shard.replica.health.interval
-            for shard in due:
-                self.pool.submit(self._probe, shard)
-
-    def _probe(self, shard: LocalShard) -> None:
-        name = shard.replica.name
-        try:
-            started = time.monotonic()
-            result = probe_shard(shard)
-            self.metrics.probe_seconds.labels(replica=name).observe(time.monotonic() - started)
-            with self.lock:
-                old = self.probes.get(name)
-                changed = (old is None) != (result is None) or (
-                    old is not None and result is not None and old.ok != result.ok)
-                self.probes[name] = result
-                if result is not None and result.ok and name in self.generations:
-                    self.ready_invocation[name] = self.generations[name]
-            if changed:
-                with self.lock:
-                    self.probe_changed.add(name)
-                self.wake.set()
-        finally:
-            with self.lock:
-                self.in_flight.discard(name)
-
-    def _peer_loop(self) -> None:
-        while not self.stopping.wait(self.config.peer_interval):
-            with self.lock:
-                peers = {(n.address, n.name) for s in self.shards
-                         for rank, n in enumerate(s.replica.nodes) if rank != s.plan.rank}
-            for address, node in peers:
-                key = f"peer:{address}"
-                with self.lock:
-                    if key in self.in_flight:
-                        continue
-                    self.in_flight.add(key)
-                self.pool.submit(self._fetch_peer, address, node, key)
-
-    def _fetch_peer(self, address: str, node: str, key: str) -> None:
-        host = f"[{address}]" if ":" in address else address
-        url = f"http://{host}:{self.config.peer_port}/{API_VERSION}/shards"
-        now = time.monotonic()
-        try:
-            with urllib.request.urlopen(url, timeout=self.config.peer_timeout) as resp:
-                shards = json.loads(resp.read(1 << 20))
-            reports = [(s["replica"], int(s["rank"]), RankReport(
-                int(s["rank"]), str(s["node"]), str(s["state"]), str(s["reason"])),
-                int(s.get("generation", 0))) for s in shards]
-        except (OSError, ValueError, KeyError, TypeError, urllib.error.URLError) as exc:
-            reason = getattr(exc, "reason", None) or exc
-            with self.lock:
-                for shard in self.shards:
-                    for rank, n in enumerate(shard.replica.nodes):
-                        if n.address == address and rank != shard.plan.rank:
-                            old = self.peers.get((shard.replica.name, rank))
-                            self.peers[(shard.replica.name, rank)] = (
-                                now, RankReport(rank, node, states.UNKNOWN,
-                                                f"supervisor on {node} unreachable: {reason}"),
-                                old[2] if old else 0)
-            self.wake.set()
-            return
-        finally:
-            with self.lock:
-                self.in_flight.discard(key)
-        changed = False
-        with self.lock:
-            for replica, rank, report, generation in reports:
-                old = self.peers.get((replica, rank))
-                if old is None or old[1] != report or old[2] != generation:
-                    changed = True
-                self.peers[(replica, rank)] = (now, report, generation)
-        if changed:
-            self.wake.set()
+            mine = verdict.ranks[shard.plan.rank]
+            evidence = local.get(name)
+            units = (evidence.target, *evidence.members) if evidence else ()
+            shards.append({
+                "replica": name, "rank": shard.plan.rank, "ranks": shard.plan.ranks,
+                "node": shard.plan.node, "serving": shard.serving, "state": mine.state,
+                "reason": mine.reason, "generation": evidence.generation if evidence else "",
+                "units": {u.name: {"active": u.active_state, "sub": u.sub_state,
+                                   "result": u.result, "restarts": u.n_restarts}
+                          for u in units},
+            })
+            recent = sum(1 for t in verdict.memory.restarts if now - t < window[name])
+            replicas.append({
+                "name": name, "state": verdict.health.state, "reason": verdict.health.reason,
+                "ranks": [{"rank": r.rank, "node": r.node, "state": r.state,
+                           "reason": r.reason} for r in verdict.ranks],
+                "group_restarts": recent, "next_restart": verdict.next_restart,
+                "settled": verdict.settled,
+                "systemd": "unreachable: " + self.bus_error if self.bus_error else "ok",
+            })
+            self.metrics.set_replica(name, verdict.health.state, recent)
+            self.metrics.set_shard(name, shard.plan.rank, mine.state,
+                                   [(u.name, u.n_restarts) for u in units
+                                    if u.name.endswith(".service")])
+        self.metrics.systemd_up.set(0 if self.bus_error else 1)
+        old = self.published
+        fresh = tuple(shards)
+        version = old.version if fresh == old.shards else self.changes.version + 1
+        self.published = api.Published(
+            self.config.node, version, fresh, api.encode(replicas),
+            {r["name"]: api.encode(r) for r in replicas})
+        if version != old.version:
+            self.changes.bump()
+        ready = sum(1 for r in replicas if r["state"] == READY)
+        notify(f"STATUS={len(replicas)} replica(s), {ready} ready"
+               + (f"; systemd unreachable: {self.bus_error}" if self.bus_error else ""))
 
     # -- HTTP API -----------------------------------------------------------------------
 
-    def shards_json(self) -> list[dict[str, Any]]:
-        with self.lock:
-            out = []
-            for shard in self.shards:
-                status = self.statuses.get(shard.replica.name)
-                report = self._local_report(shard)
-                out.append({
-                    "replica": shard.replica.name, "rank": shard.plan.rank,
-                    "ranks": shard.plan.ranks, "node": shard.plan.node,
-                    "serving": shard.serving, "state": report.state, "reason": report.reason,
-                    "generation": self.generations.get(shard.replica.name, 0),
-                    "units": {u.name: {"active": u.active_state, "sub": u.sub_state,
-                                       "result": u.result, "restarts": u.n_restarts}
-                              for u in (status.units if status else ())},
-                })
-            return out
-
-    def replicas_json(self, only: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        with self.lock:
-            return [{
-                "name": name, "state": view.health.state, "reason": view.health.reason,
-                "ranks": [{"rank": r.rank, "node": r.node, "state": r.state,
-                           "reason": r.reason} for r in view.ranks],
-                "group_restarts": len(view.restarts), "next_restart": view.next_restart,
-                # ready long enough that a rank's restart from here on is a death
-                "settled": view.ready_generations is not None,
-            } for name, view in sorted(self.replicas.items()) if only is None or name in only]
+    async def _handle(self, request: Request) -> Response:
+        return await api.handle(request, lambda: self.published, self.changes,
+                                self.metrics.render)
 
     def _start_http(self) -> None:
-        supervisor = self
-
-        class Handler(BaseHTTPRequestHandler):
-            server_version = "llmgw-supervisor"
-
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0].rstrip("/")
-                if path == "/metrics":
-                    body, kind = supervisor.metrics.render(), supervisor.metrics.content_type
-                    self._send(200, body, kind)
-                    return
-                if path == f"/{API_VERSION}/shards":
-                    self._cached(path, supervisor.shards_json)
-                elif path == f"/{API_VERSION}/replicas":
-                    self._cached(path, supervisor.replicas_json)
-                elif path.startswith(f"/{API_VERSION}/replicas/"):
-                    name = path.rsplit("/", 1)[1]
-                    if name in supervisor.replicas:
-                        self._cached(path, lambda: supervisor.replicas_json([name])[0])
-                    else:
-                        self._json(404, {"error": f"no replica '{name}' on this node"})
-                else:
-                    self._json(404, {"error": "not found"})
-
-            def do_POST(self) -> None:
-                self._json(405, {"error": "read-only API"})
-
-            do_PUT = do_DELETE = do_PATCH = do_POST  # noqa: N815
-
-            def _json(self, status: int, data: object) -> None:
-                self._send(status, json.dumps(data, indent=1).encode(), "application/json")
-
-            def _cached(self, key: str, build: Any) -> None:
-                version = supervisor.version
-                hit = supervisor.api_cache.get(key)
-                if hit is None or hit[0] != version:
-                    hit = (version, json.dumps(build(), indent=1).encode())
-                    supervisor.api_cache[key] = hit
-                self._send(200, hit[1], "application/json")
-
-            def _send(self, status: int, body: bytes, kind: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        ThreadingHTTPServer.daemon_threads = True
-        self.server = ThreadingHTTPServer((self.config.listen_host, self.config.listen_port),
-                                          Handler)
-        threading.Thread(target=self.server.serve_forever, name="http", daemon=True).start()
-        log(f"API on http://{self.config.listen_host}:{self.config.listen_port}/{API_VERSION}/")
+        config = self.config
+        listeners: list[tuple[str, str, int, Any]] = []
+        context = server_context(config.tls) if config.tls is not None else None
+        listeners.append(("api", config.listen_host, config.listen_port, context))
+        if config.local is not None:
+            listeners.append(("local", config.local[0], config.local[1], None))
+        for name, host, port, ssl_context in listeners:
+            server = HttpServer(host, port, self._handle, ssl_context=ssl_context,
+                                max_connections=config.max_connections, log=log)
+            server.attach(self.changes)
+            server.start()
+            self.servers[name] = server
+            scheme = "https" if ssl_context is not None else "http"
+            shown = f"[{host}]" if ":" in host else host
+            log(f"API on {scheme}://{shown}:{server.address[1]}/{api.API_VERSION}/"
+                + (" (TLS, client certificates required)" if ssl_context else ""))
+            if ssl_context is None and not is_loopback(host):
+                log(f"warning: plain HTTP on {host}, a non-loopback address: peers are not "
+                    "authenticated and anyone who answers there is believed; configure TLS "
+                    "(--tls-cert/--tls-key/--tls-ca or LoadCredential=, docs/tls.md)")
 
 
-class _Metrics:
-    """Prometheus metrics in a registry of our own."""
+def raise_fd_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit: connections are capped by the server, not
+    by an accident of the default 1024."""
+    import resource
 
-    def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-        from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-        self.registry = CollectorRegistry()
-        self.content_type = CONTENT_TYPE_LATEST
-        self.replica_state = Gauge("llmgw_replica_state", "1 for the replica's current state",
-                                   ["replica", "state"], registry=self.registry)
-        self.shard_state = Gauge("llmgw_shard_state", "1 for this node's shard's current state",
-                                 ["replica", "rank", "state"], registry=self.registry)
-        self.unit_restarts = Gauge("llmgw_unit_restarts", "systemd's NRestarts of a unit",
-                                   ["unit"], registry=self.registry)
-        self.group_restarts = Counter("llmgw_group_restarts", "group restarts this "
-                                      "supervisor made", ["replica"], registry=self.registry)
-        self.probe_seconds = Histogram("llmgw_probe_seconds", "HTTP health probe latency",
-                                       ["replica"], registry=self.registry)
-        self.systemd_up = Gauge("llmgw_systemd_reachable", "1 when systemd answers over D-Bus",
-                                registry=self.registry)
-
-    def update(self, supervisor: Supervisor) -> None:
-        with supervisor.lock:
-            for name, view in supervisor.replicas.items():
-                for state in states.STATES:
-                    self.replica_state.labels(name, state).set(view.health.state == state)
-            for status in supervisor.statuses.values():
-                for state in states.STATES:
-                    self.shard_state.labels(status.replica, str(status.rank), state).set(
-                        status.health.state == state)
-                for unit in status.units:
-                    if unit.name.endswith(".service"):
-                        self.unit_restarts.labels(unit.name).set(unit.n_restarts)
-            self.systemd_up.set(0 if supervisor.bus_error else 1)
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return bytes(generate_latest(self.registry))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def serve(config: SupervisorConfig, stop_signals: Sequence[int] = ()) -> None:
     """Run until a stop signal; the entry point turns errors into exit statuses."""
     import signal
 
+    raise_fd_limit()
     supervisor = Supervisor(config)
 
     def request_stop(*_: object) -> None:
@@ -562,13 +559,14 @@ def serve(config: SupervisorConfig, stop_signals: Sequence[int] = ()) -> None:
         supervisor.wake.set()
 
     def request_reload(*_: object) -> None:
-        supervisor.spec_stamp = ()  # read the specs again even if no mtime changed
+        supervisor.reload_requested = True  # read the specs again even if no mtime changed
         supervisor.wake.set()
 
     for sig in stop_signals:
         signal.signal(sig, request_stop)
-    signal.signal(signal.SIGHUP, request_reload)  # systemctl kill -s HUP llmgw-supervisor
+    signal.signal(signal.SIGHUP, request_reload)  # systemctl reload llmgw-supervisor
     try:
         supervisor.run()
     finally:
         supervisor.stop()
+

@@ -8,7 +8,14 @@ The traps it handles (DESIGN.md section 9):
 - signals are only triggers: the watcher re-reads state in bulk; Subscribe() is called
   again after every reconnect, or the manager sends no unit signals;
 - no proxy per unit (pydbus introspects every object, ~10 ms each): ListUnitsByNames in
-  one call, then raw Properties.GetAll calls.
+  one call, then raw Properties.GetAll calls;
+- only the watched units' signals reach this process: one match rule per watched unit
+  path (dbus-daemon filters), and from the manager only `Reloading`. A bulk read loads
+  stopped units (UnitNew) and systemd unloads them again (UnitRemoved): neither signal is
+  subscribed, so no read can cause the signals that trigger the next one
+  (docs/supervisor.md, "D-Bus").
+- connecting is bounded too: a stalled dbus-daemon accepts the socket and then never
+  finishes the handshake.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ UNIT_IFACE = "org.freedesktop.systemd1.Unit"
 SERVICE_IFACE = "org.freedesktop.systemd1.Service"
 PROPS_IFACE = "org.freedesktop.DBus.Properties"
 DEFAULT_TIMEOUT = 5.0
+# dbus-daemon allows 512 match rules per connection on the system bus: past this many
+# watched units, one broad rule and a filter here instead.
+MAX_PATH_RULES = 200
 
 
 class BusError(LlmgwError):
@@ -53,6 +63,9 @@ class SystemdBus:
         self._dirty: set[str] = set()
         self._names_by_path: dict[str, str] = {}
         self._everything_changed = True
+        self._watched: frozenset[str] = frozenset()  # unit names whose signals matter
+        self._path_subscriptions: dict[str, int] = {}  # unit path -> subscription id
+        self._broad = False  # one PropertiesChanged rule for every unit, filtered here
 
     # -- connection -------------------------------------------------------------------
 
@@ -68,15 +81,25 @@ class SystemdBus:
                 # SystemBus()): once the bus goes away the shared connection stays closed
                 # for good and keeps being handed back.
                 kind = Gio.BusType.SESSION if self.user else Gio.BusType.SYSTEM
-                con = Gio.DBusConnection.new_for_address_sync(
-                    Gio.dbus_address_get_for_bus_sync(kind, None),
-                    Gio.DBusConnectionFlags.AUTHENTICATION_CLIENT |
-                    Gio.DBusConnectionFlags.MESSAGE_BUS_CONNECTION, None, None)
+                cancel = Gio.Cancellable()
+                timer = threading.Timer(self.timeout_ms / 1000, cancel.cancel)
+                timer.daemon = True
+                timer.start()
+                try:
+                    con = Gio.DBusConnection.new_for_address_sync(
+                        Gio.dbus_address_get_for_bus_sync(kind, cancel),
+                        Gio.DBusConnectionFlags.AUTHENTICATION_CLIENT |
+                        Gio.DBusConnectionFlags.MESSAGE_BUS_CONNECTION, None, cancel)
+                finally:
+                    timer.cancel()
                 con.set_exit_on_close(False)  # GLib would SIGTERM the whole process
                 bus = pydbus.bus.Bus(con)  # pydbus's view of it; its proxies are not used
             except Exception as exc:
+                if "cancel" in str(exc).lower():
+                    exc = TimeoutError(f"no answer within {self.timeout_ms / 1000:g} s")
                 raise BusError(f"cannot connect to the {self._which} bus: {exc}") from None
             self._con = bus.con
+            self._subscriptions, self._path_subscriptions = [], {}  # died with the old one
             if self._on_change is not None:
                 self._subscribe(self._con)
             return self._con
@@ -144,10 +167,12 @@ class SystemdBus:
                 status_text=str(service.get("StatusText", "")),
                 active_enter_usec=int(unit.get("ActiveEnterTimestampMonotonic", 0)),
                 state_change_usec=int(unit.get("StateChangeTimestampMonotonic", 0)),
+                invocation_id=bytes(unit.get("InvocationID") or b"").hex(),
             )
         if properties:
             with self._lock:
                 self._dirty -= {p for p, n in self._names_by_path.items() if n in states}
+        self._subscribe_paths()
         for name in names:
             states.setdefault(name, missing(name))
         return states
@@ -175,17 +200,22 @@ class SystemdBus:
         self._call(MANAGER_PATH, MANAGER_IFACE, "RestartUnit",
                    GLib.Variant("(ss)", (unit, "replace")), "(o)")
 
-    def watch(self, on_change: Callable[[str], None]) -> None:
-        """Call on_change(unit name or '') from a background thread whenever systemd
-        signals a change; the caller re-reads state (signals are only triggers)."""
+    def watch(self, names: Sequence[str], on_change: Callable[[str], None]) -> None:
+        """Call on_change(unit path or '') from a background thread whenever systemd
+        signals a change of one of the named units (or reloads); the caller re-reads
+        state (signals are only triggers). Call again with new names at any time."""
         from gi.repository import GLib
 
         with self._lock:
-            fresh = self._con is None or self._con.is_closed()
             self._on_change = on_change
+            self._watched = frozenset(names)
             con = self._connection()  # a new connection subscribes as it is made
-            if not fresh:
+            self._learn_paths(names)
+            broad = len(self._watched) > MAX_PATH_RULES
+            if not self._subscriptions or broad != self._broad:
                 self._subscribe(con)
+            else:
+                self._subscribe_paths(con)
         if self._loop_thread is None:
             self._loop = GLib.MainLoop()
             self._loop_thread = threading.Thread(target=self._loop.run, name="dbus-signals",
@@ -195,14 +225,22 @@ class SystemdBus:
     def _subscribe(self, con: Any) -> None:
         from gi.repository import Gio
 
-        for sub in self._subscriptions:
+        for sub in [*self._subscriptions, *self._path_subscriptions.values()]:
             con.signal_unsubscribe(sub)
+        self._path_subscriptions = {}
         self._subscriptions = [
-            con.signal_subscribe(SYSTEMD, PROPS_IFACE, "PropertiesChanged", None, None,
-                                 Gio.DBusSignalFlags.NONE, self._on_properties),
-            con.signal_subscribe(SYSTEMD, MANAGER_IFACE, None, MANAGER_PATH, None,
+            con.signal_subscribe(SYSTEMD, MANAGER_IFACE, "Reloading", MANAGER_PATH, None,
                                  Gio.DBusSignalFlags.NONE, self._on_manager),
         ]
+        self._broad = len(self._watched) > MAX_PATH_RULES
+        if self._broad:
+            self._subscriptions.append(con.signal_subscribe(
+                SYSTEMD, PROPS_IFACE, "PropertiesChanged", None, None,
+                Gio.DBusSignalFlags.NONE, self._on_properties))
+        self._subscribe_paths(con)
+        self._manager_subscribe(con)
+
+    def _manager_subscribe(self, con: Any) -> None:
         # Without Subscribe() the manager emits no unit signals at all. (Called on con
         # itself: _call would come back here through _connection on a closed one.)
         from gi.repository import GLib
@@ -214,28 +252,59 @@ class SystemdBus:
             if "AlreadySubscribed" not in str(exc.message):
                 raise BusError(f"Subscribe: {exc.message}") from None
 
+    def _learn_paths(self, names: Sequence[str]) -> None:
+        """Object paths of watched units not seen yet, from one bulk call (systemd
+        builds them; DESIGN.md section 9 warns against escaping them by hand)."""
+        from gi.repository import GLib
+
+        unknown = sorted(set(names) - set(self._names_by_path.values()))
+        if not unknown or len(self._watched) > MAX_PATH_RULES:
+            return
+        (rows,) = self._call(MANAGER_PATH, MANAGER_IFACE, "ListUnitsByNames",
+                             GLib.Variant("(as)", (unknown,)), "(a(ssssssouso))")
+        for row in rows:
+            self._names_by_path[row[6]] = row[0]
+
+    def _subscribe_paths(self, con: Any = None) -> None:
+        """One PropertiesChanged match rule per watched unit whose object path a bulk
+        read has told us (ListUnitsByNames returns it even for units not loaded)."""
+        from gi.repository import Gio
+
+        with self._lock:
+            if self._on_change is None or self._broad:
+                return
+            con = con or self._con
+            if con is None or con.is_closed():
+                return
+            wanted = {p for p, n in self._names_by_path.items() if n in self._watched}
+            for path in set(self._path_subscriptions) - wanted:
+                con.signal_unsubscribe(self._path_subscriptions.pop(path))
+            for path in wanted - set(self._path_subscriptions):
+                self._path_subscriptions[path] = con.signal_subscribe(
+                    SYSTEMD, PROPS_IFACE, "PropertiesChanged", path, None,
+                    Gio.DBusSignalFlags.NONE, self._on_properties)
+
     def _on_properties(self, _con: Any, _sender: str, path: str, _iface: str, _signal: str,
                        _params: Any) -> None:
-        if self._on_change is not None and path.startswith(MANAGER_PATH + "/unit/"):
-            with self._lock:
-                self._dirty.add(path)
-            self._on_change(path)
+        if self._on_change is None or self._names_by_path.get(path) not in self._watched:
+            return  # the broad rule (many units) brings others' signals too
+        with self._lock:
+            self._dirty.add(path)
+        self._on_change(path)
 
-    def _on_manager(self, _con: Any, _sender: str, _path: str, _iface: str, signal: str,
+    def _on_manager(self, _con: Any, _sender: str, _path: str, _iface: str, _signal: str,
                     _params: Any) -> None:
-        if self._on_change is not None and signal in (
-                "UnitNew", "UnitRemoved", "JobRemoved", "Reloading", "StartupFinished"):
-            if signal in ("Reloading", "UnitRemoved", "UnitNew"):
-                with self._lock:
-                    self._cache.clear()  # a reload may change any unit's properties
-                    self._everything_changed = True
+        if self._on_change is not None:  # Reloading: any unit may have changed
+            with self._lock:
+                self._cache.clear()
+                self._everything_changed = True
             self._on_change("")
 
     def resubscribe(self) -> None:
         """Subscribe() again: a manager that re-executed (daemon-reexec) has forgotten
         its subscribers and would send no more unit signals. Idempotent."""
         if self._on_change is not None:
-            self._subscribe(self._connection())
+            self._manager_subscribe(self._connection())  # match rules live in dbus-daemon
 
     def reconnect(self) -> None:
         """Drop the connection; the next call connects (and subscribes) again."""
@@ -251,11 +320,12 @@ class SystemdBus:
             if self._loop is not None:
                 self._loop.quit()
             if self._con is not None and not self._con.is_closed():
-                for sub in self._subscriptions:
+                for sub in [*self._subscriptions, *self._path_subscriptions.values()]:
                     self._con.signal_unsubscribe(sub)
                 self._con.close_sync(None)
             self._con = None
             self._subscriptions = []
+            self._path_subscriptions = {}
         if self._loop_thread is not None:
             self._loop_thread.join(timeout=5)
             self._loop_thread = None

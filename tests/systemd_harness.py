@@ -182,6 +182,7 @@ class UserManager:
         return {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime),
                 "XDG_CONFIG_HOME": str(self.state / "config"),
                 "XDG_DATA_HOME": str(self.state / "data"),
+                "XDG_STATE_HOME": str(self.state / "xdg-state"),
                 "DBUS_SESSION_BUS_ADDRESS": f"unix:path={self.runtime}/bus",
                 "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0"}
 

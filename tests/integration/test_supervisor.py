@@ -32,7 +32,8 @@ class Supervisor:
         self.log = manager.state / "supervisor.log"
         self.process = subprocess.Popen(
             ["nsenter", f"--net=/run/netns/{self.ns.name}", SUPERVISOR, "--user", "--node",
-             node, "--listen", f"{self.ns.address}:{API_PORT}", str(spec)],
+             node, "--listen", f"{self.ns.address}:{API_PORT}", "--state-dir",
+             str(manager.state / "supervisor-state"), str(spec)],
             env=manager.env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL)
         wait_until(lambda: self.get("/v1/shards")[0] == 200, 20, f"the supervisor on {node}")

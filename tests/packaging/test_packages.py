@@ -53,6 +53,9 @@ def test_deb_holds_what_it_should_and_nothing_from_the_build() -> None:
     for path in expected:
         assert path in files, path
     assert any("/llmgw_systemd/compiled_templates/tmpl_" in f for f in files)
+    modes = {line.split()[-1].lstrip("."): line.split()[0]
+             for line in run("dpkg-deb", "-c", str(DEB)).stdout.splitlines()}
+    assert modes["/etc/llmgw/tls/"] == "drwx------"  # the node's TLS key goes there
     for path in files:
         assert not re.search(r"/(tests|bench|build|\.git|\.venv|debian)/|__pycache__|\.pyc$",
                              path), path
@@ -61,7 +64,7 @@ def test_deb_holds_what_it_should_and_nothing_from_the_build() -> None:
 def test_deb_depends_on_distribution_packages() -> None:
     depends = run("dpkg-deb", "-f", str(DEB), "Depends").stdout
     for package in ("python3-jinja2", "python3-yaml", "python3-click", "python3-pydbus",
-                    "python3-gi", "python3-prometheus-client", "systemd"):
+                    "python3-gi", "python3-h11", "python3-prometheus-client", "systemd"):
         assert package in depends, depends
 
 
@@ -92,9 +95,12 @@ def test_rpm_files_requirements_and_scripts(tmp_path: Path) -> None:
                  "/usr/lib/systemd/system/llmgw-supervisor.service", "/etc/llmgw/replicas.d"):
         assert path in files, path
     assert any(f.endswith("/site-packages/llmgw_systemd/templates/service.j2") for f in files)
+    listing = run("rpm", "-qlvp", str(RPM)).stdout.splitlines()
+    assert any(line.startswith("drwx------") and line.endswith(" /etc/llmgw/tls")
+               for line in listing), listing
     requires = run("rpm", "-qpR", str(RPM)).stdout
     for package in ("python3-jinja2", "python3-pyyaml", "python3-click", "python3-pydbus",
-                    "python3-gobject", "python3-prometheus_client", "systemd"):
+                    "python3-gobject", "python3-h11", "python3-prometheus_client", "systemd"):
         assert package in requires, requires
     scripts = run("rpm", "-qp", "--scripts", str(RPM)).stdout
     assert "systemctl --no-reload preset llmgw-supervisor.service" in scripts

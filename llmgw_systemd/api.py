@@ -1,0 +1,100 @@
+"""The supervisor's read-only HTTP API: exact routes over a published snapshot.
+
+The reconcile loop publishes immutable JSON bodies after every judgement; requests only
+pick them up, so a flood of requests costs no reads of systemd and nothing is cached per
+request path. `GET /v1/shards?after=V` is a long-poll: answered as soon as this node's
+shard reports differ from version V, or after `wait` seconds (docs/supervisor.md, "API").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .httpserve import Changes, Request, Response
+
+API_VERSION = "v1"
+REPLICA_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}\Z")
+DEFAULT_WAIT = 0.0
+MAX_WAIT = 30.0
+ALLOW = (("Allow", "GET, HEAD"),)
+
+
+@dataclass(frozen=True)
+class Published:
+    """What the API serves, as of one judgement."""
+
+    node: str
+    version: int  # bumped whenever this node's shard reports change
+    shards: tuple[dict[str, Any], ...] = ()
+    replicas: bytes = b"[]"
+    replica: Mapping[str, bytes] = field(default_factory=dict)
+
+
+def encode(data: object) -> bytes:
+    return json.dumps(data, indent=1).encode()
+
+
+def shards_body(published: Published) -> bytes:
+    return encode({"node": published.node, "version": published.version,
+                   "shards": list(published.shards)})
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(status, encode({"error": message}))
+
+
+def _wait_params(query: tuple[tuple[str, str], ...]) -> tuple[int | None, float] | str:
+    after: int | None = None
+    wait = DEFAULT_WAIT
+    for key, value in query:
+        if key == "after":
+            if not value.isdigit() or len(value) > 18:
+                return "after: expected a version number"
+            after = int(value)
+        elif key == "wait":
+            try:
+                wait = float(value)
+            except ValueError:
+                return "wait: expected seconds"
+            if not 0 <= wait <= MAX_WAIT:
+                return f"wait: expected 0 to {MAX_WAIT:g} seconds"
+        else:
+            return f"unknown parameter '{key[:40]}' (allowed: after, wait)"
+    return after, wait
+
+
+async def handle(request: Request, current: Callable[[], Published], changes: Changes,
+                 metrics: Callable[[], tuple[bytes, str]]) -> Response:
+    """Route one GET or HEAD (the server answers other methods with 405)."""
+    path = request.path
+    if path == "/metrics":
+        if request.query:
+            return _error(400, "/metrics takes no parameters")
+        body, kind = metrics()
+        return Response(200, body, kind)
+    if path == f"/{API_VERSION}/shards":
+        params = _wait_params(request.query)
+        if isinstance(params, str):
+            return _error(400, params)
+        after, wait = params
+        if after is not None and wait > 0 and current().version == after:
+            await changes.wait_after(after, wait)
+        return Response(200, shards_body(current()))
+    if request.query:
+        return _error(400, f"{path[:80]} takes no parameters")
+    if path == f"/{API_VERSION}/replicas":
+        return Response(200, current().replicas)
+    prefix = f"/{API_VERSION}/replicas/"
+    if path.startswith(prefix):
+        name = path[len(prefix):]
+        if not REPLICA_NAME.match(name):
+            return _error(404, "not a replica name")
+        found = current().replica.get(name)
+        if found is None:
+            return _error(404, f"no replica '{name}' on this node")
+        return Response(200, found)
+    return _error(404, "no such route (try /v1/replicas, /v1/shards, /metrics)")

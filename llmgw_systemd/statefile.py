@@ -1,0 +1,88 @@
+"""The supervisor's one piece of durable state: when it last restarted each replica's
+shard as part of a group restart. The budget and backoff depend on it, so neither a
+crash nor a restart of the supervisor may reset them (docs/supervisor.md, "State").
+
+Stored as JSON in the state directory (systemd's StateDirectory=), written atomically
+(temporary file, fsync, rename, fsync of the directory). Times are wall-clock seconds,
+the only clock that means something to the next process; the daemon converts them to
+and from its monotonic clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+
+from .errors import LlmgwError
+
+FILE_NAME = "group-restarts.json"
+FORMAT = 1
+MAX_TIMES = 1000  # per replica: a budget is far smaller; a bound against a bad file
+
+
+class StateError(LlmgwError):
+    """The state directory cannot be read or written."""
+
+
+def state_path(directory: str) -> str:
+    return os.path.join(directory, FILE_NAME)
+
+
+def load_restarts(directory: str) -> tuple[dict[str, tuple[float, ...]], str]:
+    """The recorded restart times per replica, and a warning ("" if none). A missing
+    file is an empty record; an unreadable one is reported and treated as empty."""
+    path = state_path(directory)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except FileNotFoundError:
+        return {}, ""
+    except (OSError, ValueError) as exc:
+        return {}, f"cannot read {path}, starting with no recorded group restarts: {exc}"
+    restarts = data.get("restarts") if isinstance(data, dict) else None
+    if not isinstance(restarts, dict) or data.get("format") != FORMAT:
+        return {}, f"{path}: not a format {FORMAT} state file; ignored"
+    out: dict[str, tuple[float, ...]] = {}
+    for name, times in restarts.items():
+        if isinstance(name, str) and isinstance(times, list) and all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) for t in times):
+            out[name] = tuple(float(t) for t in times[-MAX_TIMES:])
+    return out, ""
+
+
+def save_restarts(directory: str, restarts: Mapping[str, tuple[float, ...]]) -> None:
+    """Replace the record atomically: a crash leaves the old file or the new one."""
+    body = json.dumps({"format": FORMAT, "restarts": {
+        name: list(times[-MAX_TIMES:]) for name, times in sorted(restarts.items())}},
+        indent=1).encode()
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".group-restarts.", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(body)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, state_path(directory))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise StateError(f"cannot write {state_path(directory)}: {exc.strerror or exc}"
+                         ) from None
+
+
+def check_writable(directory: str) -> None:
+    """Fail at start-up, not at the first group restart, if the record cannot be kept."""
+    existing, _warning = load_restarts(directory)
+    save_restarts(directory, existing)
+

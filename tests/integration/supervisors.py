@@ -1,0 +1,212 @@
+"""llmgw-supervisor processes for the integration tests: started on a node's user
+manager (in its network namespace, when it has one), stopped by PID, and read through
+their API from that same namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from installed import BIN_DIR
+from systemd_harness import STANDINS, UserManager, wait_until
+
+SUPERVISOR = str(BIN_DIR / "llmgw-supervisor")
+HOSTILE_PEER = STANDINS / "hostile_peer.py"
+
+# Runs inside a node's namespace: one GET, printed as status, then the body.
+_GET = """\
+import sys, urllib.request, urllib.error
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+try:
+    r = opener.open(sys.argv[1], timeout=float(sys.argv[2]))
+    print(r.status); print(r.read().decode())
+except urllib.error.HTTPError as e:
+    print(e.code); print(e.read().decode())
+except Exception as e:
+    print(0); print(repr(str(e)))
+"""
+
+
+class SupervisorProcess:
+    """One llmgw-supervisor on one node's user manager."""
+
+    def __init__(self, manager: UserManager, node: str, spec: Path, *, listen: str,
+                 extra: Sequence[str] = (), env: dict[str, str] | None = None,
+                 state_dir: Path | None = None, wait: bool = True) -> None:
+        self.manager, self.node, self.spec, self.listen = manager, node, spec, listen
+        self.extra = list(extra)
+        self.env = {**manager.env, **(env or {})}
+        self.state_dir = state_dir or manager.state / f"supervisor-state-{node}"
+        self.log = manager.state / f"supervisor-{node}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start(wait=wait)
+
+    @property
+    def base(self) -> str:
+        scheme = "https" if "--tls-cert" in self.extra else "http"
+        return f"{scheme}://{self.listen}"
+
+    def argv(self) -> list[str]:
+        argv = [SUPERVISOR, "--user", "--node", self.node, "--listen", self.listen,
+                "--state-dir", str(self.state_dir), *self.extra, str(self.spec)]
+        if self.manager.netns is not None:
+            argv = ["nsenter", f"--net=/run/netns/{self.manager.netns.name}", *argv]
+        return argv
+
+    def start(self, *, wait: bool = True) -> None:
+        self.process = subprocess.Popen(self.argv(), env=self.env,
+                                        stdout=self.log.open("ab"),
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if wait:
+            wait_until(lambda: self.alive() and self.up(), 30,
+                       f"the supervisor on {self.node} to answer")
+
+    def up(self) -> bool:
+        if "--tls-cert" in self.extra:  # its API needs a client certificate: read the log
+            return "API on https://" in self.log.read_text(errors="replace")
+        return self.get("/v1/shards")[0] == 200
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def get(self, path: str, timeout: float = 3.0, base: str | None = None
+            ) -> tuple[int, Any]:
+        """GET from inside the node's namespace (or here, on loopback)."""
+        url = (base or self.base) + path
+        argv = ["/usr/bin/python3", "-c", _GET, url, str(timeout)]
+        if self.manager.netns is not None:
+            argv = ["ip", "netns", "exec", self.manager.netns.name, *argv]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 10,
+                              check=False, env={"PATH": os.environ["PATH"]})
+        status, _, body = proc.stdout.partition("\n")
+        try:
+            return int(status or 0), json.loads(body or "null")
+        except ValueError:
+            return int(status or 0), body
+
+    def replica(self, name: str, base: str | None = None) -> dict[str, Any]:
+        status, data = self.get(f"/v1/replicas/{name}", base=base)
+        assert status == 200 and isinstance(data, dict), (status, data)
+        return data
+
+    def wait_state(self, name: str, state: str, timeout: float = 60, *, reason: str = "",
+                   restarts: int | None = None, settled: bool = False,
+                   base: str | None = None) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            status, data = self.get(f"/v1/replicas/{name}", base=base)
+            if status != 200 or not isinstance(data, dict):
+                return None
+            ok = data["state"] == state and reason in str(data["reason"])
+            ok = ok and (restarts is None or data["group_restarts"] == restarts)
+            ok = ok and (not settled or data["settled"] is True)
+            return data if ok else None
+
+        return wait_until(check, timeout, f"{name} to be {state} ({reason}) on {self.node}",
+                          interval=0.2)
+
+    def metric(self, line_start: str, base: str | None = None) -> float:
+        """The sum of every /metrics sample whose line starts with line_start."""
+        status, body = self.get("/metrics", base=base)
+        assert status == 200, (status, body)
+        text = body if isinstance(body, str) else json.dumps(body)
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(line_start))
+
+    def signal(self, sig: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.alive():
+            assert self.process is not None
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+    def rss_kb(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+
+class Sampler:
+    """Reads a replica's state over and over in the background, so a test can say what
+    it was at every moment of a window, not only at the end."""
+
+    def __init__(self, read: Callable[[], str], interval: float = 0.1) -> None:
+        self.read, self.interval = read, interval
+        self.seen: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 600  # bounded, whatever the test does
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                state = self.read()
+            except (AssertionError, OSError, ValueError) as exc:
+                state = f"error: {exc}"
+            self.seen.append((time.monotonic(), state))
+            self._stop.wait(self.interval)
+
+    def states(self) -> set[str]:
+        return {s for _, s in self.seen}
+
+
+class HostilePeer:
+    """tests/standins/hostile_peer.py in a mode, on an address; stopped by PID."""
+
+    def __init__(self, listen: str, mode: str, *, report: object | None = None,
+                 netns: str | None = None, extra: Sequence[str] = ()) -> None:
+        argv = ["/usr/bin/python3", str(HOSTILE_PEER), "--listen", listen, "--mode", mode,
+                *extra]
+        if report is not None:
+            argv += ["--report", json.dumps(report)]
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                        text=True)
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line.startswith("listening on"), line
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
