@@ -34,52 +34,16 @@ except Exception as e:
 """
 
 
-class SupervisorProcess:
-    """One llmgw-supervisor on one node's user manager."""
+class ApiReader:
+    """Reads one supervisor's API from inside its node's namespace (or here, on
+    loopback), whoever started it."""
 
-    def __init__(self, manager: UserManager, node: str, spec: Path, *, listen: str,
-                 extra: Sequence[str] = (), env: dict[str, str] | None = None,
-                 state_dir: Path | None = None, wait: bool = True) -> None:
-        self.manager, self.node, self.spec, self.listen = manager, node, spec, listen
-        self.extra = list(extra)
-        self.env = {**manager.env, **(env or {})}
-        self.state_dir = state_dir or manager.state / f"supervisor-state-{node}"
-        self.log = manager.state / f"supervisor-{node}.log"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.start(wait=wait)
+    def __init__(self, manager: UserManager, node: str, base: str) -> None:
+        self.manager, self.node, self._base = manager, node, base
 
     @property
     def base(self) -> str:
-        scheme = "https" if "--tls-cert" in self.extra else "http"
-        return f"{scheme}://{self.listen}"
-
-    def argv(self) -> list[str]:
-        argv = [SUPERVISOR, "--user", "--node", self.node, "--listen", self.listen,
-                "--state-dir", str(self.state_dir), *self.extra, str(self.spec)]
-        if self.manager.netns is not None:
-            argv = ["nsenter", f"--net=/run/netns/{self.manager.netns.name}", *argv]
-        return argv
-
-    def start(self, *, wait: bool = True) -> None:
-        self.process = subprocess.Popen(self.argv(), env=self.env,
-                                        stdout=self.log.open("ab"),
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        if wait:
-            wait_until(lambda: self.alive() and self.up(), 30,
-                       f"the supervisor on {self.node} to answer")
-
-    def up(self) -> bool:
-        if "--tls-cert" in self.extra:  # its API needs a client certificate: read the log
-            return "API on https://" in self.log.read_text(errors="replace")
-        return self.get("/v1/shards")[0] == 200
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
+        return self._base
 
     def get(self, path: str, timeout: float = 3.0, base: str | None = None
             ) -> tuple[int, Any]:
@@ -123,6 +87,60 @@ class SupervisorProcess:
         text = body if isinstance(body, str) else json.dumps(body)
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(line_start))
+
+
+
+class SupervisorProcess(ApiReader):
+    """One llmgw-supervisor on one node's user manager, started and stopped by PID."""
+
+    def __init__(self, manager: UserManager, node: str, spec: Path, *, listen: str,
+                 extra: Sequence[str] = (), env: dict[str, str] | None = None,
+                 state_dir: Path | None = None, wait: bool = True) -> None:
+        super().__init__(manager, node, f"http://{listen}")
+        self.spec, self.listen = spec, listen
+        self.extra = list(extra)
+        self.env = {**manager.env, **(env or {})}
+        self.state_dir = state_dir or manager.state / f"supervisor-state-{node}"
+        self.log = manager.state / f"supervisor-{node}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start(wait=wait)
+
+    @property
+    def base(self) -> str:
+        """Where the test reads the API: the plain loopback listener (--local) when the
+        main one needs a client certificate."""
+        if "--local" in self.extra:
+            return f"http://{self.extra[self.extra.index('--local') + 1]}"
+        scheme = "https" if "--tls-cert" in self.extra else "http"
+        return f"{scheme}://{self.listen}"
+
+    def argv(self) -> list[str]:
+        argv = [SUPERVISOR, "--user", "--node", self.node, "--listen", self.listen,
+                "--state-dir", str(self.state_dir), *self.extra, str(self.spec)]
+        if self.manager.netns is not None:
+            argv = ["nsenter", f"--net=/run/netns/{self.manager.netns.name}", *argv]
+        return argv
+
+    def start(self, *, wait: bool = True) -> None:
+        self.process = subprocess.Popen(self.argv(), env=self.env,
+                                        stdout=self.log.open("ab"),
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if wait:
+            wait_until(lambda: self.alive() and self.up(), 30,
+                       f"the supervisor on {self.node} to answer")
+
+    def up(self) -> bool:
+        if "--tls-cert" in self.extra and "--local" not in self.extra:
+            return "API on https://" in self.log.read_text(errors="replace")
+        return self.get("/v1/shards")[0] == 200
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
 
     def signal(self, sig: int) -> None:
         assert self.process is not None

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from certs import cluster
 from specs import free_port, write
-from supervisors import HostilePeer, Sampler, SupervisorProcess
+from supervisors import SUPERVISOR, ApiReader, HostilePeer, Sampler, SupervisorProcess
 from systemd_harness import UserManager, wait_until
 
 pytestmark = pytest.mark.integration
@@ -219,8 +219,7 @@ def test_with_tls_a_plain_liar_is_refused_and_restarts_nothing(node: Node,
     sup = node.supervise(spec, extra=[
         "--tls-cert", files.cert, "--tls-key", files.key, "--tls-ca", files.ca,
         "--local", f"127.0.0.1:{free_port()}"])
-    local = next(a for a in sup.extra if a.startswith("127.0.0.1:"))
-    base = f"http://{local}"
+    base = sup.base  # the plain loopback listener
     sup.wait_state("rep", "degraded", reason="unreachable", base=base)
     with Sampler(lambda: str(sup.replica("rep", base=base)["state"])) as sampler:
         time.sleep(5)  # more than the group-restart delay and backoff
@@ -327,3 +326,37 @@ def test_a_manager_stall_says_unreachable_and_recovers(node: Node) -> None:
     finally:
         os.kill(manager_pid, signal.SIGCONT)
     sup.wait_state("rep", "ready", timeout=30)
+
+
+def test_a_dbus_stall_longer_than_the_watchdog(node: Node, tmp_path: Path) -> None:
+    """Run as its shipped unit runs (Type=notify, a watchdog) with a 2 s WatchdogSec=,
+    then freeze dbus-daemon for three of those: the API says systemd is unreachable,
+    never ready, and the watchdog does not kill the supervisor."""
+    spec = node.setup()
+    node.peer(B, "lie", report=report(("rep", 1, "b", "ready")))
+    unit = "llmgw-test-supervisor.service"
+    run = subprocess.run(
+        ["systemd-run", "--user", f"--unit={unit}", "--property=Type=notify",
+         "--property=NotifyAccess=main", "--property=WatchdogSec=2",
+         str(Path(SUPERVISOR)), "--user", "--node", "node", "--listen",
+         f"127.0.0.1:{node.port}", "--dbus-timeout", "1", "--state-dir",
+         str(tmp_path / "state"), str(spec)],
+        env=node.manager.env, capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    probe = ApiReader(node.manager, "node", f"http://127.0.0.1:{node.port}")
+    probe.wait_state("rep", "ready", timeout=30)
+    before = node.manager.show(unit, "MainPID", "NRestarts")
+    bus = int(node.manager.show("dbus.service", "MainPID")["MainPID"])
+    assert bus > 1
+    os.kill(bus, signal.SIGSTOP)
+    try:
+        probe.wait_state("rep", "degraded", reason="systemd unreachable", timeout=10)
+        with Sampler(lambda: str(probe.replica("rep")["state"])) as sampler:
+            time.sleep(6)  # three watchdog periods, six bus timeouts
+        assert sampler.states() == {"degraded"}, sampler.seen
+    finally:
+        os.kill(bus, signal.SIGCONT)
+    probe.wait_state("rep", "ready", timeout=30)
+    after = node.manager.show(unit, "MainPID", "NRestarts", "ActiveState", "Result")
+    assert after == {**before, "ActiveState": "active", "Result": "success"}, (before, after)
+    node.manager.systemctl("stop", unit)
