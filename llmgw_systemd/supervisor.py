@@ -42,6 +42,7 @@ from .spec import Spec, build_spec
 from .statefile import StateError, load_restarts, save_restarts
 from .systemd_dbus import BusError, SystemdBus
 from .tlsconfig import TlsFiles, client_context, names_node, server_context
+from .unitstate import UnitState
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,8 @@ class Prober:
 
 
 MAX_FETCH_RATE = 20.0  # per peer node, per second
+FIRST_LOOKS = 4  # first looks from signals alone before the confirming read
+COALESCE = 0.002  # seconds to wait for the rest of a burst of signals
 
 
 class PeerFetcher:
@@ -192,6 +195,8 @@ class Supervisor:
         # the reconcile thread's own
         self.memory: dict[str, Memory] = {}
         self.verdicts: dict[str, Verdict] = {}
+        self.views: dict[str, tuple[dict[str, Any], bytes, str]] = {}
+        self.status = ""  # the last sd_notify STATUS= sent
         self.bus_error = ""
         self.last_full = 0.0
         self.heartbeat = time.monotonic()
@@ -238,6 +243,8 @@ class Supervisor:
             del self.memory[gone]
         for gone in set(self.verdicts) - names:
             del self.verdicts[gone]
+        for gone in set(self.views) - names:
+            del self.views[gone]
         for name in names - set(self.memory):
             self.memory[name] = Memory(restarts=self._restarts_from_disk(name))
         self.metrics.forget_others(names)
@@ -403,10 +410,18 @@ class Supervisor:
                 self.last_full = now
             if shards:
                 if not slow_tick:
-                    # a first look from the bulk call alone, published at once: this is
-                    # what makes a dead member visible within milliseconds of its signal
-                    self._read(shards, properties=False)
-                    self._judge_and_publish(time.monotonic())
+                    # a first look from what the signals said, published at once: this
+                    # is what makes a dead member visible within milliseconds. systemd
+                    # sends a unit's Service and Unit changes back to back; the one that
+                    # says it is no longer active may follow the one that woke us, so
+                    # look again while more arrive (bounded) before the slower read.
+                    for _ in range(FIRST_LOOKS):
+                        self.wake.clear()
+                        self._first_look(shards)
+                        self._judge_and_publish(time.monotonic(),
+                                                only={s.replica.name for s in shards})
+                        if not self.wake.wait(COALESCE):
+                            break
                 self._read(shards, properties=True)
             if self.bus_error:
                 log("systemd is reachable again")
@@ -419,10 +434,22 @@ class Supervisor:
         names = [n for s in self.shards for n in (s.plan.target.name, *s.members)]
         self.bus.watch(names, lambda _path: self.wake.set())
 
+    def _first_look(self, shards: Sequence[LocalShard]) -> None:
+        """What the signals said, published before the confirming read: the manager is
+        busiest right after a death, and a call to it then takes longest."""
+        names = [n for s in shards for n in (s.plan.target.name, *s.members)]
+        states = self.bus.from_signals(names)
+        if states is None:  # a unit never read yet: ask
+            self._read(shards, properties=False)
+        else:
+            self._take(shards, states)
+
     def _read(self, shards: Sequence[LocalShard], *, properties: bool) -> None:
         names = [n for s in shards for n in (s.plan.target.name, *s.members)]
         self.metrics.dbus_reads.inc()
-        states = self.bus.snapshot(names, properties=properties)
+        self._take(shards, self.bus.snapshot(names, properties=properties))
+
+    def _take(self, shards: Sequence[LocalShard], states: dict[str, UnitState]) -> None:
         read_at = time.monotonic()
         evidence = {s.replica.name: LocalEvidence(states[s.plan.target.name],
                                                   tuple(states[m] for m in s.members),
@@ -436,11 +463,15 @@ class Supervisor:
             if prober is not None:
                 prober.poke.set()
 
-    def _judge_and_publish(self, now: float) -> None:
+    def _judge_and_publish(self, now: float, only: set[str] | None = None) -> None:
+        """Judge every replica (or `only` these: the fast first look after a signal, so
+        a death is published without rebuilding every other replica's answer)."""
         with self.lock:
             local, probes, peers = dict(self.local), dict(self.probes), dict(self.peers)
         for shard in self.shards:
             name = shard.replica.name
+            if only is not None and name not in only:
+                continue
             policy = self.policies[name]
             verdict = judge(policy, self.memory.get(name, Memory()), local=local.get(name),
                             systemd_error=self.bus_error, probe=probes.get(name),
@@ -456,55 +487,64 @@ class Supervisor:
                 except BusError as exc:
                     log(f"{name}: restart of {target} failed: {exc}")
         self._save_restarts()
-        self._publish(local, now)
+        self._publish(local, now, only)
 
     # -- publishing ----------------------------------------------------------------------
 
-    def _publish(self, local: dict[str, LocalEvidence], now: float) -> None:
-        shards: list[dict[str, Any]] = []
-        replicas: list[dict[str, Any]] = []
-        window = {name: p.group_restart.window for name, p in self.policies.items()}
+    def _view(self, shard: LocalShard, verdict: Verdict, evidence: LocalEvidence | None,
+              now: float) -> tuple[dict[str, Any], bytes, str]:
+        """One replica's part of the API: its shard report, its replica body, its state."""
+        name = shard.replica.name
+        mine = verdict.ranks[shard.plan.rank]
+        units = (evidence.target, *evidence.members) if evidence else ()
+        report = {
+            "replica": name, "rank": shard.plan.rank, "ranks": shard.plan.ranks,
+            "node": shard.plan.node, "serving": shard.serving, "state": mine.state,
+            "reason": mine.reason, "generation": evidence.generation if evidence else "",
+            "units": {u.name: {"active": u.active_state, "sub": u.sub_state,
+                               "result": u.result, "restarts": u.n_restarts}
+                      for u in units},
+        }
+        window = self.policies[name].group_restart.window
+        recent = sum(1 for t in verdict.memory.restarts if now - t < window)
+        body = api.encode({
+            "name": name, "state": verdict.health.state, "reason": verdict.health.reason,
+            "ranks": [{"rank": r.rank, "node": r.node, "state": r.state,
+                       "reason": r.reason} for r in verdict.ranks],
+            "group_restarts": recent, "next_restart": verdict.next_restart,
+            "settled": verdict.settled,
+            "systemd": "unreachable: " + self.bus_error if self.bus_error else "ok",
+        })
+        self.metrics.set_replica(name, verdict.health.state, recent)
+        self.metrics.set_shard(name, shard.plan.rank, mine.state,
+                               [(u.name, u.n_restarts) for u in units
+                                if u.name.endswith(".service")])
+        return report, body, verdict.health.state
+
+    def _publish(self, local: dict[str, LocalEvidence], now: float,
+                 only: set[str] | None = None) -> None:
         for shard in self.shards:
             name = shard.replica.name
             verdict = self.verdicts.get(name)
-            if verdict is None:
-                continue
-            mine = verdict.ranks[shard.plan.rank]
-            evidence = local.get(name)
-            units = (evidence.target, *evidence.members) if evidence else ()
-            shards.append({
-                "replica": name, "rank": shard.plan.rank, "ranks": shard.plan.ranks,
-                "node": shard.plan.node, "serving": shard.serving, "state": mine.state,
-                "reason": mine.reason, "generation": evidence.generation if evidence else "",
-                "units": {u.name: {"active": u.active_state, "sub": u.sub_state,
-                                   "result": u.result, "restarts": u.n_restarts}
-                          for u in units},
-            })
-            recent = sum(1 for t in verdict.memory.restarts if now - t < window[name])
-            replicas.append({
-                "name": name, "state": verdict.health.state, "reason": verdict.health.reason,
-                "ranks": [{"rank": r.rank, "node": r.node, "state": r.state,
-                           "reason": r.reason} for r in verdict.ranks],
-                "group_restarts": recent, "next_restart": verdict.next_restart,
-                "settled": verdict.settled,
-                "systemd": "unreachable: " + self.bus_error if self.bus_error else "ok",
-            })
-            self.metrics.set_replica(name, verdict.health.state, recent)
-            self.metrics.set_shard(name, shard.plan.rank, mine.state,
-                                   [(u.name, u.n_restarts) for u in units
-                                    if u.name.endswith(".service")])
+            if verdict is not None and (only is None or name in only):
+                self.views[name] = self._view(shard, verdict, local.get(name), now)
+        views = [(s.replica.name, self.views[s.replica.name]) for s in self.shards
+                 if s.replica.name in self.views]
         self.metrics.systemd_up.set(0 if self.bus_error else 1)
         old = self.published
-        fresh = tuple(shards)
+        fresh = tuple(report for _, (report, _, _) in views)
         version = old.version if fresh == old.shards else self.changes.version + 1
-        self.published = api.Published(
-            self.config.node, version, fresh, api.encode(replicas),
-            {r["name"]: api.encode(r) for r in replicas})
+        bodies = {name: body for name, (_, body, _) in views}
+        self.published = api.Published(self.config.node, version, fresh,
+                                       b"[" + b",\n".join(bodies.values()) + b"]", bodies)
         if version != old.version:
             self.changes.bump()
-        ready = sum(1 for r in replicas if r["state"] == READY)
-        notify(f"STATUS={len(replicas)} replica(s), {ready} ready"
-               + (f"; systemd unreachable: {self.bus_error}" if self.bus_error else ""))
+        ready = sum(1 for _, (_, _, state) in views if state == READY)
+        status = (f"STATUS={len(views)} replica(s), {ready} ready"
+                  + (f"; systemd unreachable: {self.bus_error}" if self.bus_error else ""))
+        if status != self.status:
+            notify(status)
+            self.status = status
 
     # -- HTTP API -----------------------------------------------------------------------
 
@@ -552,6 +592,10 @@ def serve(config: SupervisorConfig, stop_signals: Sequence[int] = ()) -> None:
     import signal
 
     raise_fd_limit()
+    # Several threads wake each other (signal -> reconcile -> API); CPython hands the GIL
+    # over only every switch interval (5 ms by default) while another thread runs, which
+    # was most of the time from a unit's death to the API saying so.
+    sys.setswitchinterval(0.0005)
     supervisor = Supervisor(config)
 
     def request_stop(*_: object) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from .errors import LlmgwError
@@ -66,6 +67,10 @@ class SystemdBus:
         self._watched: frozenset[str] = frozenset()  # unit names whose signals matter
         self._path_subscriptions: dict[str, int] = {}  # unit path -> subscription id
         self._broad = False  # one PropertiesChanged rule for every unit, filtered here
+        # The last state read per unit, and the ActiveState/SubState that signals carried
+        # since: a first look after a signal needs no call to the (busy) manager.
+        self._last: dict[str, UnitState] = {}
+        self._hints: dict[str, tuple[str, str]] = {}
 
     # -- connection -------------------------------------------------------------------
 
@@ -172,6 +177,9 @@ class SystemdBus:
         if properties:
             with self._lock:
                 self._dirty -= {p for p, n in self._names_by_path.items() if n in states}
+                for name, state in states.items():
+                    self._last[name] = state
+                    self._hints.pop(name, None)
         self._subscribe_paths()
         for name in names:
             states.setdefault(name, missing(name))
@@ -285,12 +293,36 @@ class SystemdBus:
                     Gio.DBusSignalFlags.NONE, self._on_properties)
 
     def _on_properties(self, _con: Any, _sender: str, path: str, _iface: str, _signal: str,
-                       _params: Any) -> None:
-        if self._on_change is None or self._names_by_path.get(path) not in self._watched:
+                       params: Any) -> None:
+        name = self._names_by_path.get(path)
+        if self._on_change is None or name not in self._watched:
             return  # the broad rule (many units) brings others' signals too
         with self._lock:
             self._dirty.add(path)
+            iface, changed = params.get_child_value(0).get_string(), params.get_child_value(1)
+            if iface == UNIT_IFACE and name in self._last:
+                active, sub = self._hints.get(name, (self._last[name].active_state,
+                                                     self._last[name].sub_state))
+                value = changed.lookup_value("ActiveState", None)
+                active = value.get_string() if value is not None else active
+                value = changed.lookup_value("SubState", None)
+                sub = value.get_string() if value is not None else sub
+                self._hints[name] = (active, sub)
         self._on_change(path)
+
+    def from_signals(self, names: Sequence[str]) -> dict[str, UnitState] | None:
+        """The named units as last read, with the states their signals carried since:
+        a first look that costs no call. None if one of them was never read."""
+        with self._lock:
+            out: dict[str, UnitState] = {}
+            for name in names:
+                last = self._last.get(name)
+                if last is None:
+                    return None
+                hint = self._hints.get(name)
+                out[name] = last if hint is None else replace(
+                    last, active_state=hint[0], sub_state=hint[1])
+            return out
 
     def _on_manager(self, _con: Any, _sender: str, _path: str, _iface: str, _signal: str,
                     _params: Any) -> None:
@@ -310,6 +342,8 @@ class SystemdBus:
         """Drop the connection; the next call connects (and subscribes) again."""
         with self._lock:
             self._cache.clear()  # signals were missed while disconnected
+            self._last.clear()
+            self._hints.clear()
             self._everything_changed = True
             if self._con is not None and not self._con.is_closed():
                 self._con.close_sync(None)

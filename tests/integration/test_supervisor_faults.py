@@ -223,3 +223,68 @@ def test_runs_as_a_notify_unit_with_a_watchdog(one_node: UserManager, tmp_path: 
     info = one_node.show(unit, "ActiveState", "NRestarts", "Result")
     assert info == {"ActiveState": "active", "NRestarts": "0", "Result": "success"}, info
     one_node.systemctl("stop", unit)
+
+
+def test_metrics_of_a_replica_that_left_the_spec_go(supervised: LocalSupervisor) -> None:
+    supervised.wait("ready")
+    assert 'replica="shard"' in metrics_text(supervised.port)
+    supervised.spec.write_text(supervised.spec.read_text().replace("name: shard",
+                                                                   "name: renamed"))
+    wait_until(lambda: supervised.get("/v1/replicas/renamed") is not None, 30,
+               "the edited spec to take effect")
+    text = metrics_text(supervised.port)
+    assert 'replica="renamed"' in text and 'replica="shard"' not in text
+
+
+def test_the_api_speaks_exactly_its_routes(supervised: LocalSupervisor) -> None:
+    supervised.wait("ready")
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", supervised.port, timeout=5)
+    cases = [("GET", "/v1/replicas/shard", 200), ("HEAD", "/v1/replicas/shard", 200),
+             ("POST", "/v1/replicas", 405), ("DELETE", "/v1/shards", 405),
+             ("GET", "/v1/replicas/", 404), ("GET", "/v1/replicas/NOT_A_NAME", 404),
+             ("GET", "/v1/replicas/shard/", 404), ("GET", "/v1/shards?after=x", 400),
+             ("GET", "/v1/shards?bogus=1", 400), ("GET", "/etc/passwd", 404)]
+    for method, path, status in cases:
+        conn.request(method, path)
+        response = conn.getresponse()
+        body = response.read()
+        assert response.status == status, (method, path, response.status, body)
+        assert response.getheader("Server") == "llmgw-supervisor"
+        if method == "HEAD":
+            assert body == b"" and int(response.getheader("Content-Length") or 0) > 0
+        if status == 405:
+            assert response.getheader("Allow") == "GET, HEAD"
+            conn.close()
+    conn.close()
+    assert "Traceback" not in supervised.log.read_text()
+
+
+def test_listens_on_ipv6(one_node: UserManager, tmp_path: Path) -> None:
+    spec = one_node_shard(tmp_path / "spec.yaml", name="shard", http=free_port(),
+                          head=free_port(), pid_file=tmp_path / "pids", delay=1)
+    one_node.render(spec, "node")
+    port = free_port()
+    proc = subprocess.Popen(
+        [SUPERVISOR, "--user", "--node", "node", "--listen", f"[::1]:{port}",
+         "--state-dir", str(tmp_path / "state"), str(spec)], env=one_node.env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def answered() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://[::1]:{port}/v1/shards",
+                                            timeout=3) as resp:
+                    return bool(json.loads(resp.read())["node"] == "node")
+            except OSError:
+                return False
+
+        wait_until(answered, 20, "the API on [::1]")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+
+
+def metrics_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return str(resp.read().decode())
