@@ -22,7 +22,7 @@ import pytest
 from certs import cluster
 from specs import free_port, write
 from supervisors import SUPERVISOR, ApiReader, HostilePeer, Sampler, SupervisorProcess
-from systemd_harness import UserManager, wait_until
+from systemd_harness import STANDINS, UserManager, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -360,3 +360,30 @@ def test_a_dbus_stall_longer_than_the_watchdog(node: Node, tmp_path: Path) -> No
     after = node.manager.show(unit, "MainPID", "NRestarts", "ActiveState", "Result")
     assert after == {**before, "ActiveState": "active", "Result": "success"}, (before, after)
     node.manager.systemctl("stop", unit)
+
+
+def test_hanging_peers_do_not_starve_another_replica_s_probe(node: Node,
+                                                              tmp_path: Path) -> None:
+    """rep's peer hangs every fetch; wedged's engine accepts and never answers. Each has
+    its own fetcher and prober: wedged is never ready, and rep's peer is just unknown."""
+    spec = node.setup()
+    wedged_port = free_port()
+    with spec.open("a") as text:
+        text.write(f"""\
+  - name: wedged
+    engine: command
+    port: {wedged_port}
+    health: {{path: /, interval: 1, timeout: 1, stability: 1}}
+    nodes: [{{name: node, address: 127.0.0.1}}]
+    ranks:
+      - commands: [{{argv: [/usr/bin/python3, {STANDINS}/hanging_server.py, 127.0.0.1,
+                            "{wedged_port}"]}}]
+""")
+    node.manager.render(spec, "node")
+    node.manager.systemctl("start", "llmgw-wedged.target")
+    node.peer(B, "hang")
+    sup = node.supervise(spec)
+    sup.wait_state("wedged", "starting", reason="no answer within 1 s")
+    sup.wait_state("rep", "degraded", reason="supervisor on b unreachable")
+    never_ready(node, 5, name="wedged")
+    assert sup.alive()
