@@ -117,7 +117,8 @@ def test_ready_on_authenticated_reports_only(pair: Pair, tmp_path: Path) -> None
             time.sleep(3)  # an observation window
         assert "ready" not in sampler.states(), sampler.seen
         # and node-b's own fetches of node-a are refused by node-a
-        assert "unreachable" in str(pair.sups["node-b"].replica("rep")["reason"])
+        pair.sups["node-b"].wait_state("rep", "degraded", 30,
+                                       reason="supervisor on node-a unreachable")
 
     pair.supervise("node-b", pair.files["node-b"])  # the right files again
     a.wait_state("rep", "ready", timeout=30)
