@@ -48,7 +48,8 @@ class PeerShard:
     node: str
     state: str
     reason: str
-    generation: str
+    generation: str  # opaque: a systemd InvocationID in hex, or "" when none
+    serving: bool = False  # whether that rank serves HTTP
 
 
 @dataclass(frozen=True)

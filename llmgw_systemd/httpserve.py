@@ -23,7 +23,6 @@ import socket
 import ssl
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,6 +31,8 @@ from typing import Any, cast
 from urllib.parse import parse_qsl, urlsplit
 
 import h11
+
+from .ratelog import RateLimitedLog
 
 _MAX_HEAD = 8192  # bytes of request line + headers
 _MAX_QUERY_PAIRS = 16
@@ -149,29 +150,6 @@ class Changes:
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-class _RateLimitedLog:
-    """At most one line per kind per interval; says how many were left out."""
-
-    def __init__(self, log: Callable[[str], None], interval: float) -> None:
-        self._log = log
-        self._interval = interval
-        self._last: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-
-    def __call__(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self._interval:
-            self._skipped[kind] = self._skipped.get(kind, 0) + 1
-            return
-        self._last[kind] = now
-        skipped = self._skipped.pop(kind, 0)
-        if skipped:
-            message += f" ({skipped} more like this not logged)"
-        with contextlib.suppress(Exception):  # a broken log sink must not stop serving
-            self._log(message)
 
 
 class _Conn(asyncio.Protocol):
@@ -305,7 +283,7 @@ class HttpServer:
         self._write_timeout = write_timeout
         self._handshake_timeout = handshake_timeout
         self._backlog = backlog
-        self._log = _RateLimitedLog(log, _LOG_INTERVAL)
+        self._log = RateLimitedLog(log, _LOG_INTERVAL)
         self._cap = max_connections
         self._sock: socket.socket | None = None
         self._address: tuple[str, int] | None = None

@@ -35,6 +35,7 @@ from typing import Any, Callable, NoReturn, TypeVar
 import h11
 
 from .errors import LlmgwError
+from .evidence import PeerShard
 from .health import STATES
 from .spec import MAX_REPLICA_NAME, NAME_RE, NODE_NAME_RE
 
@@ -70,17 +71,8 @@ class PeerError(LlmgwError):
         super().__init__(self.message)
 
 
-@dataclass(frozen=True)
-class ShardReport:
-    """One rank of one replica as the peer reports it."""
-
-    replica: str
-    rank: int
-    node: str
-    state: str
-    reason: str
-    generation: str  # opaque: a systemd InvocationID in hex, or "" when none
-    serving: bool
+# One rank of one replica as the peer reports it: parsed straight into evidence.
+ShardReport = PeerShard
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,13 @@ from typing import Any
 
 from . import api
 from .errors import LlmgwError
-from .evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
+from .evidence import LocalEvidence, PeerEvidence, ProbeEvidence
 from .health import READY
 from .httpserve import Changes, HttpServer, Request, Response
 from .metrics import SupervisorMetrics
 from .peerclient import PeerError, fetch_shards
 from .probe import http_probe, probe_address
+from .ratelog import RateLimitedLog
 from .replicastate import Memory, ReplicaPolicy, Verdict, judge, refused
 from .sdnotify import notify, watchdog_interval
 from .shards import LocalShard, local_shards
@@ -64,30 +65,13 @@ class SupervisorConfig:
     max_connections: int = 4096
 
 
-class RateLimitedLog:
-    """One line per key per interval; the rest are counted and summed up next time."""
-
-    def __init__(self, interval: float = 30.0) -> None:
-        self.interval = interval
-        self.last: dict[str, tuple[float, int]] = {}
-        self.lock = threading.Lock()
-
-    def __call__(self, key: str, message: str) -> None:
-        now = time.monotonic()
-        with self.lock:
-            at, dropped = self.last.get(key, (-1e9, 0))
-            if now - at < self.interval:
-                self.last[key] = (at, dropped + 1)
-                return
-            self.last[key] = (now, 0)
-            if len(self.last) > 1000:  # keys come from the spec, but stay bounded
-                self.last = {key: (now, 0)}
-        suffix = f" ({dropped} similar since)" if dropped else ""
-        log(message + suffix)
-
-
 def log(message: str) -> None:
     print(f"llmgw-supervisor: {message}", file=sys.stderr, flush=True)
+
+
+def unit_names(shards: Sequence[LocalShard]) -> list[str]:
+    """Every unit of the shards, target first: what is watched and read."""
+    return [n for s in shards for n in (s.plan.target.name, *s.members)]
 
 
 def is_loopback(host: str) -> bool:
@@ -159,7 +143,7 @@ class PeerFetcher:
                 failures += 1
                 after = None
                 sup.metrics.peer_failures.labels(self.node, exc.kind).inc()
-                sup.peer_log(f"peer:{self.node}:{exc.kind}",
+                sup.limited_log(f"peer:{self.node}:{exc.kind}",
                              f"peer {self.node} ({self.address}): {exc}")
                 sup.add_peer(PeerEvidence(self.node, time.monotonic(), False,
                                           error=str(exc)))
@@ -170,9 +154,8 @@ class PeerFetcher:
             after = answer.version
             authenticated = (answer.peer_cert is not None and
                              names_node(answer.peer_cert, self.node, self.address))
-            sup.add_peer(PeerEvidence(self.node, time.monotonic(), authenticated, tuple(
-                PeerShard(s.replica, s.rank, s.node, s.state, s.reason, s.generation)
-                for s in answer.shards)))
+            sup.add_peer(PeerEvidence(self.node, time.monotonic(), authenticated,
+                                      answer.shards))
 
 
 class Supervisor:
@@ -208,7 +191,7 @@ class Supervisor:
         self.servers: dict[str, HttpServer] = {}
         self.metrics = SupervisorMetrics(
             lambda: {name: server.stats for name, server in self.servers.items()})
-        self.peer_log = RateLimitedLog()
+        self.limited_log = RateLimitedLog(log)
 
     # -- configuration ------------------------------------------------------------------
 
@@ -307,7 +290,7 @@ class Supervisor:
         try:
             save_restarts(self.config.state_dir, record)
         except StateError as exc:
-            self.peer_log("state", f"{exc}")
+            self.limited_log("state", f"{exc}")
             return
         self.saved_restarts = record
 
@@ -328,7 +311,7 @@ class Supervisor:
         for policy in list(self.policies.values()):  # counted once per answer received
             for line in refused(policy, evidence):
                 self.metrics.ignored_reports.labels(policy.name).inc()
-                self.peer_log(f"ignored:{policy.name}:{evidence.source}",
+                self.limited_log(f"ignored:{policy.name}:{evidence.source}",
                               f"{policy.name}: ignored a report: {line}")
         with self.lock:
             self.peers[evidence.source] = evidence
@@ -378,9 +361,8 @@ class Supervisor:
                 notify("WATCHDOG=1")
 
     def _watch(self) -> None:
-        names = [n for s in self.shards for n in (s.plan.target.name, *s.members)]
         try:
-            self.bus.watch(names, lambda _path: self.wake.set())
+            self._watch_or_raise()
         except BusError as exc:
             self._lost(exc)
 
@@ -431,23 +413,20 @@ class Supervisor:
         self._judge_and_publish(time.monotonic())
 
     def _watch_or_raise(self) -> None:
-        names = [n for s in self.shards for n in (s.plan.target.name, *s.members)]
-        self.bus.watch(names, lambda _path: self.wake.set())
+        self.bus.watch(unit_names(self.shards), lambda _path: self.wake.set())
 
     def _first_look(self, shards: Sequence[LocalShard]) -> None:
         """What the signals said, published before the confirming read: the manager is
         busiest right after a death, and a call to it then takes longest."""
-        names = [n for s in shards for n in (s.plan.target.name, *s.members)]
-        states = self.bus.from_signals(names)
+        states = self.bus.from_signals(unit_names(shards))
         if states is None:  # a unit never read yet: ask
             self._read(shards, properties=False)
         else:
             self._take(shards, states)
 
     def _read(self, shards: Sequence[LocalShard], *, properties: bool) -> None:
-        names = [n for s in shards for n in (s.plan.target.name, *s.members)]
         self.metrics.dbus_reads.inc()
-        self._take(shards, self.bus.snapshot(names, properties=properties))
+        self._take(shards, self.bus.snapshot(unit_names(shards), properties=properties))
 
     def _take(self, shards: Sequence[LocalShard], states: dict[str, UnitState]) -> None:
         read_at = time.monotonic()

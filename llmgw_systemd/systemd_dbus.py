@@ -138,13 +138,9 @@ class SystemdBus:
         properties=False takes states from the one bulk call and the rest (result,
         restarts, timestamps) from the last read, leaving changed units to read later:
         the fast first look after a signal."""
-        from gi.repository import GLib
-
         if not names:
             return {}
-        (rows,) = self._call(MANAGER_PATH, MANAGER_IFACE, "ListUnitsByNames",
-                             GLib.Variant("(as)", (list(names),)),
-                             "(a(ssssssouso))")
+        rows = self._list_units(names)
         states: dict[str, UnitState] = {}
         with self._lock:
             dirty = set(self._dirty)
@@ -184,6 +180,15 @@ class SystemdBus:
         for name in names:
             states.setdefault(name, missing(name))
         return states
+
+    def _list_units(self, names: Sequence[str]) -> list[tuple[Any, ...]]:
+        """One ListUnitsByNames: (name, description, load, active, sub, following, object
+        path, job id, job type, job path) per name; it loads units on demand."""
+        from gi.repository import GLib
+
+        (rows,) = self._call(MANAGER_PATH, MANAGER_IFACE, "ListUnitsByNames",
+                             GLib.Variant("(as)", (list(names),)), "(a(ssssssouso))")
+        return list(rows)
 
     def _get_all(self, path: str, iface: str) -> dict[str, Any]:
         from gi.repository import GLib
@@ -262,15 +267,11 @@ class SystemdBus:
 
     def _learn_paths(self, names: Sequence[str]) -> None:
         """Object paths of watched units not seen yet, from one bulk call (systemd
-        builds them; DESIGN.md section 9 warns against escaping them by hand)."""
-        from gi.repository import GLib
-
+        builds them; docs/supervisor.md, "D-Bus": never escape them by hand)."""
         unknown = sorted(set(names) - set(self._names_by_path.values()))
         if not unknown or len(self._watched) > MAX_PATH_RULES:
             return
-        (rows,) = self._call(MANAGER_PATH, MANAGER_IFACE, "ListUnitsByNames",
-                             GLib.Variant("(as)", (unknown,)), "(a(ssssssouso))")
-        for row in rows:
+        for row in self._list_units(unknown):
             self._names_by_path[row[6]] = row[0]
 
     def _subscribe_paths(self, con: Any = None) -> None:
