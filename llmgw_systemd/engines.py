@@ -11,13 +11,17 @@ from dataclasses import dataclass
 from .endpoint import Endpoint
 from .spec import Replica
 
-# ray start --block exits 1 when systemd stops it with SIGTERM (DESIGN.md section 3);
+# ray start --block exits 1 when systemd stops it with SIGTERM (docs/engines.md);
 # counting 1 as clean keeps a plain `systemctl stop` from leaving the unit failed.
 RAY_CLEAN_EXIT = (1,)
-# vllm serve turns SIGTERM into KeyboardInterrupt; in a process that has joined Ray
-# (whose own handlers are installed) that ends in exit status 1, measured with a
-# stand-in running the same code path under ray 2.60. Unconfirmed on real vLLM.
-VLLM_ON_RAY_CLEAN_EXIT = (1,)
+# The real vllm serve 0.32 exits 0 on SIGTERM once ready, but 1 when stopped while it
+# still starts (waiting for Ray's placement group or for its mp peers), in every mode
+# (docs/engines.md). Either is a clean stop. It also exits 0 after its engine died:
+# Restart=always, not on-failure, is what brings it back.
+VLLM_CLEAN_EXIT = (1,)
+# The Ray token reaches the processes as a file named by RAY_AUTH_TOKEN_PATH; under the
+# system manager the file comes in through LoadCredential= under this name.
+RAY_TOKEN_CREDENTIAL = "ray-token"  # noqa: S105 - a credential name, not a secret
 # Ray puts AF_UNIX sockets under <temp-dir>/session_<date>_<pid>/sockets/<name>,
 # and sun_path holds 107 bytes: the temp dir must stay short.
 RAY_TEMP_DIR_MAX = 40
@@ -34,6 +38,9 @@ class Step:
     frees: tuple[Endpoint, ...] = ()  # must be bindable (nobody listening) before the start
     env: tuple[tuple[str, str], ...] = ()
     clean_exit_statuses: tuple[int, ...] = ()
+    # (variable, credential name, source file): the variable names the file, loaded as a
+    # credential where the manager can (never the secret itself in the unit)
+    credential_env: tuple[tuple[str, str, str], ...] = ()
 
 
 def ray_temp_dir(replica_name: str, rank: int) -> str:
@@ -63,6 +70,17 @@ def shard_steps(replica: Replica, rank: int) -> tuple[Step, ...]:
     return _vllm_ray_steps(replica, rank)
 
 
+def served_model_name(replica: Replica) -> str:
+    """The name completions must ask for: the first --served-model-name, else the model."""
+    args = replica.args
+    for i, arg in enumerate(args):
+        if arg == "--served-model-name" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--served-model-name="):
+            return arg.split("=", 1)[1]
+    return replica.model or ""
+
+
 def _bin(replica: Replica, name: str) -> str:
     return f"{replica.virtualenv.rstrip('/')}/bin/{name}"
 
@@ -76,6 +94,33 @@ def _parallel_args(replica: Replica) -> tuple[str, ...]:
             "--pipeline-parallel-size", str(replica.pipeline_parallel_size))
 
 
+def _distributed_args(replica: Replica) -> tuple[str, ...]:
+    if replica.distributed_timeout is None:
+        return ()
+    return ("--distributed-timeout-seconds", str(replica.distributed_timeout))
+
+
+def node_env(replica: Replica, rank: int) -> tuple[tuple[str, str], ...]:
+    """Variables every unit of this rank gets from its node's entry: the interface for
+    gloo and NCCL, then the node's own env (which wins over the replica's)."""
+    node = replica.nodes[rank]
+    env: tuple[tuple[str, str], ...] = ()
+    if node.interface is not None:
+        env += (("GLOO_SOCKET_IFNAME", node.interface), ("NCCL_SOCKET_IFNAME", node.interface))
+    return env + node.env
+
+
+def _ray_auth(replica: Replica) -> tuple[tuple[tuple[str, str], ...],
+                                        tuple[tuple[str, str, str], ...]]:
+    """Ray's auth settings for every process that talks to the cluster: stated always,
+    because a Ray head turns token auth on by itself once ~/.ray/auth_token exists, and
+    then workers without the token fail to join (docs/engines.md)."""
+    mode = (("RAY_AUTH_MODE", replica.ray_auth),)
+    if replica.ray_auth == "token" and replica.ray_token_file is not None:
+        return mode, (("RAY_AUTH_TOKEN_PATH", RAY_TOKEN_CREDENTIAL, replica.ray_token_file),)
+    return mode, ()
+
+
 def _rendezvous(replica: Replica) -> Endpoint:
     assert replica.rendezvous_port is not None  # noqa: S101 - validated for every engine
     return Endpoint(replica.nodes[0].address, replica.rendezvous_port)
@@ -84,29 +129,32 @@ def _rendezvous(replica: Replica) -> Endpoint:
 def _vllm_ray_steps(replica: Replica, rank: int) -> tuple[Step, ...]:
     address = replica.nodes[rank].address
     head = _rendezvous(replica)
-    host_ip = ("VLLM_HOST_IP", address)
+    auth, token = _ray_auth(replica)
+    ray_env = (("VLLM_HOST_IP", address), *auth)
+    gpus = () if replica.ray_num_gpus is None else (f"--num-gpus={replica.ray_num_gpus}",)
     ray_common = (f"--node-ip-address={address}", f"--temp-dir={ray_temp_dir(replica.name, rank)}",
-                  "--disable-usage-stats", *replica.ray_args, "--block")
+                  "--disable-usage-stats", *gpus, *replica.ray_args, "--block")
     if rank > 0:
         return (Step(
             name="engine", role=f"Ray worker joining {head}",
             argv=(_bin(replica, "ray"), "start", f"--address={head}", *ray_common),
-            wait_for=(head,), env=(host_ip,), clean_exit_statuses=RAY_CLEAN_EXIT,
+            wait_for=(head,), env=ray_env, clean_exit_statuses=RAY_CLEAN_EXIT,
+            credential_env=token,
         ),)
     ray_head = Step(
         name="ray-head", role=f"Ray head on port {head.port}",
         argv=(_bin(replica, "ray"), "start", "--head", f"--port={head.port}",
               *ray_common[:-1], *replica.ray_head_args, "--block"),
-        frees=(Endpoint(_wildcard(address), head.port),), env=(host_ip,),
-        clean_exit_statuses=RAY_CLEAN_EXIT,
+        frees=(Endpoint(_wildcard(address), head.port),), env=ray_env,
+        clean_exit_statuses=RAY_CLEAN_EXIT, credential_env=token,
     )
     server = Step(
         name="engine", role="vLLM server on the Ray cluster",
         argv=(_bin(replica, "vllm"), "serve", replica.model or "", *_http_args(replica),
               *_parallel_args(replica), "--distributed-executor-backend", "ray",
-              *replica.args),
-        wait_for=(head,), env=(host_ip, ("RAY_ADDRESS", str(head))),
-        clean_exit_statuses=VLLM_ON_RAY_CLEAN_EXIT,
+              *_distributed_args(replica), *replica.args),
+        wait_for=(head,), env=(*ray_env, ("RAY_ADDRESS", str(head))),
+        clean_exit_statuses=VLLM_CLEAN_EXIT, credential_env=token,
     )
     return (ray_head, server)
 
@@ -117,7 +165,8 @@ def _vllm_mp_step(replica: Replica, rank: int) -> Step:
     n = len(replica.nodes)
     if rank == 0:
         argv += _http_args(replica)
-    argv += (*_parallel_args(replica), "--distributed-executor-backend", "mp")
+    argv += (*_parallel_args(replica), "--distributed-executor-backend", "mp",
+             *_distributed_args(replica))
     wait_for: tuple[Endpoint, ...] = ()
     frees: tuple[Endpoint, ...] = ()
     role = "vLLM server"
@@ -132,7 +181,8 @@ def _vllm_mp_step(replica: Replica, rank: int) -> Step:
         else:
             frees = (Endpoint(_wildcard(address), master.port),)
     return Step(name="engine", role=role, argv=argv + replica.args, wait_for=wait_for,
-                frees=frees, env=(("VLLM_HOST_IP", address),))
+                frees=frees, env=(("VLLM_HOST_IP", address),),
+                clean_exit_statuses=VLLM_CLEAN_EXIT)
 
 
 def _sglang_step(replica: Replica, rank: int) -> Step:

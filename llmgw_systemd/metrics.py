@@ -48,6 +48,9 @@ class SupervisorMetrics:
                                     "shard within the budget window", ["replica"], registry=r)
         self.probe_seconds = Histogram("llmgw_probe_seconds", "HTTP health probe latency",
                                        ["replica"], registry=r)
+        self.completion_seconds = Histogram(
+            "llmgw_generation_check_seconds", "one-token completion latency (the generation "
+            "check)", ["replica"], registry=r)
         self.peer_failures = Counter("llmgw_peer_fetch_failures", "failed fetches of a peer "
                                      "supervisor's reports, by kind", ["peer", "kind"],
                                      registry=r)
@@ -73,7 +76,8 @@ class SupervisorMetrics:
         if not gone:
             return
         for metric in (self.replica_state, self.shard_state, self.unit_restarts,
-                       self.group_restarts, self.probe_seconds, self.ignored_reports):
+                       self.group_restarts, self.probe_seconds, self.completion_seconds,
+                       self.ignored_reports):
             for labels in _label_sets(metric):
                 if labels and labels[0] in gone:
                     metric.remove(*labels)

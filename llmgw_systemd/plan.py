@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .endpoint import Endpoint
-from .engines import Step, shard_steps
+from .engines import Step, node_env, shard_steps
 from .errors import UsageError
 from .spec import Replica, RestartPolicy, Spec
 
@@ -55,10 +55,13 @@ class ServiceUnit:
     exec_start_pre: tuple[tuple[str, ...], ...]
     exec_start: tuple[str, ...]
     environment: tuple[tuple[str, str], ...]
+    # (variable, credential name, file): LoadCredential= the file, the variable names it
+    credential_env: tuple[tuple[str, str, str], ...]
     environment_file: str | None
     user: str | None
     restart: RestartPolicy
     timeout_start_sec: int | None
+    timeout_stop_sec: int
     success_exit_status: tuple[int, ...]
     notify_status: bool  # a start step reports STATUS= to systemd
     hardening: bool
@@ -140,6 +143,7 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
     serves = replica.serving_rank == rank
     place = f"rank {rank} of {n} on {node.name}"
     shared_env = _shared_env(replica)
+    own_env = node_env(replica, rank)
     system_deps = () if manager.user else ("network-online.target",)
     services = []
     for i, (name, step) in enumerate(zip(names, steps)):
@@ -157,11 +161,17 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             wants=system_deps,
             exec_start_pre=pre,
             exec_start=step.argv,
-            environment=(*shared_env, *step.env, *replica.env),
+            # later wins in systemd: the replica's env, then this node's own
+            environment=_merged(*shared_env, *step.env, *replica.env, *own_env, *(
+                (var, path) for var, _, path in step.credential_env if manager.user)),
+            # A user manager loads no credentials (measured: docs/engines.md): there the
+            # variable names the file itself, which the user can read.
+            credential_env=() if manager.user else step.credential_env,
             environment_file=replica.environment_file,
             user=None if manager.user else replica.user,
             restart=replica.restart,
             timeout_start_sec=max(waits) + START_TIMEOUT_MARGIN if waits else None,
+            timeout_stop_sec=replica.stop_timeout,
             success_exit_status=step.clean_exit_statuses,
             notify_status=bool(pre),
             hardening=not manager.user,
@@ -185,6 +195,11 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             target=target, sleep_argv=(SLEEP, str(replica.restart.delay)),
         ),
     )
+
+
+def _merged(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    """One assignment per name, the last one winning (in its first one's place)."""
+    return tuple(dict(pairs).items())
 
 
 def _shared_env(replica: Replica) -> tuple[tuple[str, str], ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import json
 import time
 
 from .health import Probe
@@ -35,3 +36,40 @@ def http_probe(host: str, port: int, path: str, timeout: float) -> Probe:
     if response.status != 200:
         return Probe(False, f"HTTP {response.status} in {took:.0f} ms")
     return Probe(True, f"HTTP 200 in {took:.0f} ms")
+
+
+COMPLETION_BODY_MAX = 65536
+
+
+def completion_probe(host: str, port: int, model: str, timeout: float) -> Probe:
+    """POST a one-token completion; ok only on HTTP 200 with a choice within timeout
+    (the whole request: a server that accepts and then stalls is not generating)."""
+    started = time.monotonic()
+    body = json.dumps({"model": model, "prompt": "ping", "max_tokens": 1,
+                       "temperature": 0}).encode()
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/completions", body=body, headers={
+            "User-Agent": "llmgw-supervisor", "Content-Type": "application/json"})
+        response = conn.getresponse()
+        raw = response.read(COMPLETION_BODY_MAX + 1)
+    except TimeoutError:
+        return Probe(False, f"no answer within {timeout:g} s")
+    except OSError as exc:
+        return Probe(False, exc.strerror or str(exc) or type(exc).__name__)
+    except http.client.HTTPException as exc:
+        return Probe(False, f"bad HTTP answer: {type(exc).__name__}")
+    finally:
+        conn.close()
+    took = (time.monotonic() - started) * 1000
+    if time.monotonic() - started > timeout:
+        return Probe(False, f"no answer within {timeout:g} s")
+    if response.status != 200:
+        return Probe(False, f"HTTP {response.status} in {took:.0f} ms")
+    try:
+        choices = json.loads(raw)["choices"] if len(raw) <= COMPLETION_BODY_MAX else None
+    except (ValueError, TypeError, KeyError):
+        choices = None
+    if not isinstance(choices, list) or not choices:
+        return Probe(False, f"HTTP 200 without a completion in {took:.0f} ms")
+    return Probe(True, f"answered in {took:.0f} ms")

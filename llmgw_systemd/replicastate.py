@@ -16,6 +16,11 @@ Rules (docs/supervisor.md):
 - A rank that failed, or started again since the replica was last ready, takes every
   rank down with it (Ray placement groups, torch process groups): every node restarts
   its own shard, with backoff and a budget (grouprestart).
+- When the rank that hosts the rendezvous (rank 0) is stopped, a rank that had joined it
+  is a broken half (a headless vLLM rank outlives its rank 0 indefinitely): it restarts
+  too, to wait for the rendezvous again, under the same backoff and budget.
+- With a generation check, the serving rank is ready only while a one-token completion
+  for its current start succeeded recently, too: /health alone stays 200 when a peer died.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class ReplicaPolicy:
     settle: float  # how long a ready replica holds still before its generations count
     group_restart: GroupRestartPolicy = field(default_factory=GroupRestartPolicy)
     require_auth: bool = False  # TLS configured: unauthenticated reports never count
+    follows_leader: bool = False  # ranks >= 1 joined rank 0's rendezvous (vLLM, SGLang)
+    completion_fresh: float | None = None  # a generation check counts this long; None: off
 
 
 @dataclass(frozen=True)
@@ -92,29 +99,54 @@ class Verdict:
         return self.memory.baseline is not None
 
 
+def _current(evidence: ProbeEvidence | None, generation: str, fresh: float, now: float
+             ) -> ProbeEvidence | None:
+    """The evidence if it was taken for this generation within `fresh` seconds, else None."""
+    if evidence is None or evidence.generation != generation or now - evidence.taken_at > fresh:
+        return None
+    return evidence
+
+
+def combined_probe(policy: ReplicaPolicy, probe: ProbeEvidence | None,
+                   completion: ProbeEvidence | None) -> Probe | None:
+    """What the serving rank's probes say together: /health first, then (when the
+    generation check is on) the one-token completion."""
+    if probe is None:
+        return None
+    if not probe.ok or policy.completion_fresh is None:
+        return Probe(probe.ok, probe.detail)
+    if completion is None:
+        return Probe(False, f"{probe.detail}, but no one-token completion yet")
+    if not completion.ok:
+        return Probe(False, f"{probe.detail}, but a one-token completion failed: "
+                     f"{completion.detail}")
+    return Probe(True, f"{probe.detail}; one-token completion {completion.detail}")
+
+
 def local_rank(policy: ReplicaPolicy, memory: Memory, local: LocalEvidence | None,
                systemd_error: str, probe: ProbeEvidence | None,
-               now: float) -> tuple[RankReport, str, Memory]:
+               now: float, completion: ProbeEvidence | None = None
+               ) -> tuple[RankReport, str, Memory]:
     """This node's rank: its report, its generation and the updated memory."""
     node = policy.nodes[policy.rank]
     if local is None:
         why = f"systemd unreachable: {systemd_error}" if systemd_error else "no data yet"
         return RankReport(policy.rank, node, UNKNOWN, why), "", memory
     generation = local.generation
-    valid = probe
-    if probe is not None and (probe.generation != generation
-                              or now - probe.taken_at > policy.probe_fresh):
-        valid = None  # from an earlier start of the shard, or too old to say anything
+    # from an earlier start of the shard, or too old to say anything: not evidence
+    valid = _current(probe, generation, policy.probe_fresh, now)
+    completed = (_current(completion, generation, policy.completion_fresh, now)
+                 if policy.completion_fresh is not None else None)
+    combined = combined_probe(policy, valid, completed)
     was_ready = bool(generation) and memory.served == generation
     health = shard_health(
-        local.target, local.members, serving=policy.serving,
-        probe=Probe(valid.ok, valid.detail) if valid is not None else None,
+        local.target, local.members, serving=policy.serving, probe=combined,
         now_usec=int(now * 1e6), stability_usec=int(policy.stability * 1e6),
         was_ready=was_ready)
     if policy.serving and valid is None and was_ready and health.state == STARTING:
         health = Health(DEGRADED, "no health probe result within the last "
                         f"{policy.probe_fresh:g} s")
-    if valid is not None and valid.ok and health.state == READY:
+    if combined is not None and combined.ok and health.state == READY:
         memory = replace(memory, served=generation)
     return RankReport(policy.rank, node, health.state, health.reason), generation, memory
 
@@ -163,9 +195,11 @@ def peer_rank(policy: ReplicaPolicy, rank: int, seen: PeerEvidence | None,
 
 def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
           systemd_error: str = "", probe: ProbeEvidence | None,
-          peers: Mapping[str, PeerEvidence], now: float) -> Verdict:
+          peers: Mapping[str, PeerEvidence], now: float,
+          completion: ProbeEvidence | None = None) -> Verdict:
     """One replica's health, and what to do about it."""
-    mine, generation, memory = local_rank(policy, memory, local, systemd_error, probe, now)
+    mine, generation, memory = local_rank(policy, memory, local, systemd_error, probe, now,
+                                          completion)
     reports = [mine]
     generations = {policy.rank: generation}
     for rank, node in enumerate(policy.nodes):
@@ -179,10 +213,17 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
     health = replica_health(reports, len(policy.nodes))
     gens = tuple(sorted(generations.items()))
     verdict = Verdict(memory, health, tuple(reports), gens)
-    return _group_restart(policy, verdict, now)
+    return _group_restart(policy, verdict, now, joined=_joined(local))
 
 
-def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float) -> Verdict:
+def _joined(local: LocalEvidence | None) -> bool:
+    """Whether this node's engine runs (past its wait for the rendezvous)."""
+    return local is not None and bool(local.members) and \
+        local.members[-1].active_state == "active"
+
+
+def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
+                   joined: bool = False) -> Verdict:
     memory, health, reports = verdict.memory, verdict.health, verdict.ranks
     generations = dict(verdict.generations)
     if health.state == STOPPED:
@@ -197,7 +238,10 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float) -> Verdi
     failed = [r.rank for r in reports if r.state == FAILED]
     if restarted and not failed and len(restarted) == len(policy.nodes):
         restarted = []  # every rank started afresh (or the only one did): nothing stale
-    if not restarted and not failed:
+    # rank 0 stopped (its own node says so) while this rank's engine runs: a broken half
+    leader_gone = (policy.follows_leader and policy.rank > 0 and joined
+                   and reports[0].state == STOPPED)
+    if not restarted and not failed and not leader_gone:
         if health.state == READY:
             memory = replace(memory, failing_since=None)
             if memory.baseline is None:
@@ -209,7 +253,9 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float) -> Verdi
         return replace(verdict, memory=memory)
     died = "; ".join([*(f"rank {k} on {policy.nodes[k]} restarted" for k in restarted),
                       *(f"rank {r.rank} on {r.node} failed: {r.reason}" for r in reports
-                        if r.state == FAILED)])
+                        if r.state == FAILED),
+                      *([f"rank 0 on {policy.nodes[0]} stopped; this rank must wait for "
+                         "its rendezvous again"] if leader_gone else [])])
     since = memory.failing_since if memory.failing_since is not None else now
     memory = replace(memory, failing_since=since)
     decision = decide(policy.group_restart, memory.restarts, since, now)

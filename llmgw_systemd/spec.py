@@ -35,6 +35,13 @@ GPU_RE = re.compile(r"[0-9]+\Z|(GPU|MIG)-[A-Za-z0-9/-]+\Z")
 # environment_file (root-only) because unit files are world-readable.
 SECRET_NAME_RE = re.compile(r"TOKEN|SECRET|PASSW(OR)?D|API_?KEY|CREDENTIAL|PRIVATE_?KEY", re.I)
 SECRET_FLAGS = ("--api-key", "--hf-token", "--token")
+# Linux interface names: at most 15 bytes, no '/', ':' or white space (dev_valid_name).
+IFNAME_RE = re.compile(r"[A-Za-z0-9_@.+-]{1,15}\Z")
+RAY_AUTH_MODES = ("disabled", "token")
+DEFAULT_RAY_TOKEN_FILE = "/etc/llmgw/ray-token"  # noqa: S105 - a path, not a secret
+# systemd's own default; vLLM exits within seconds of SIGTERM, a headless rank after
+# about 10 s (docs/engines.md), and a big model needs time to free its GPU memory.
+DEFAULT_STOP_TIMEOUT = 90
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,8 @@ class Node:
 
     name: str
     address: str
+    interface: str | None = None  # the NIC for gloo/NCCL traffic on this node
+    env: tuple[tuple[str, str], ...] = ()  # this node's own variables (they win)
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,16 @@ class HealthCheck:
     interval: int = 5
     timeout: int = 2
     stability: int = 30
+    generation: GenerationCheck | None = None
+
+
+@dataclass(frozen=True)
+class GenerationCheck:
+    """A one-token completion asked of the serving rank, because /health can stay 200
+    while generation fails (a dead mp peer, a lost Ray worker: docs/engines.md)."""
+
+    interval: int = 30
+    timeout: int = 10
 
 
 @dataclass(frozen=True)
@@ -98,6 +117,11 @@ class Replica:
     args: tuple[str, ...]
     ray_args: tuple[str, ...]
     ray_head_args: tuple[str, ...]
+    ray_num_gpus: int | None
+    ray_auth: str  # "disabled" or "token" (vLLM on Ray only)
+    ray_token_file: str | None
+    distributed_timeout: int | None
+    stop_timeout: int
     user: str | None
     virtualenv: str
     restart: RestartPolicy
@@ -133,15 +157,17 @@ class Spec:
 # Keys every engine accepts, then the keys only some engines accept.
 COMMON_KEYS = (
     "name", "engine", "nodes", "port", "rendezvous_timeout", "port_release_timeout", "gpus",
-    "env", "environment_file", "user", "restart", "health", "group_restart",
+    "env", "environment_file", "user", "restart", "health", "group_restart", "stop_timeout",
 )
 ENGINE_KEYS = {
     "vllm": ("launch_mode", "model", "tensor_parallel_size", "pipeline_parallel_size",
-             "rendezvous_port", "args", "virtualenv", "host", "ray_args", "ray_head_args"),
+             "rendezvous_port", "args", "virtualenv", "host", "ray_args", "ray_head_args",
+             "ray_num_gpus", "ray_auth", "ray_token_file", "distributed_timeout"),
     "sglang": ("model", "tensor_parallel_size", "pipeline_parallel_size", "rendezvous_port",
                "args", "virtualenv", "host"),
     "command": ("ranks", "serving_rank"),
 }
+RAY_ONLY_KEYS = ("ray_args", "ray_head_args", "ray_num_gpus", "ray_auth", "ray_token_file")
 ALL_REPLICA_KEYS = tuple(dict.fromkeys(COMMON_KEYS + sum(ENGINE_KEYS.values(), ())))
 
 
@@ -318,7 +344,7 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
     if engine == "vllm":
         launch_mode = check.optional(data, "launch_mode", path,
                                      lambda v, p: check.choice(v, p, LAUNCH_MODES), "ray")
-    nodes = _nodes(check, data["nodes"], (*path, "nodes"))
+    nodes = _nodes(check, data["nodes"], (*path, "nodes"), engine, launch_mode)
 
     if engine == "command":
         if "ranks" not in data:
@@ -371,7 +397,7 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
     ray_head_args: tuple[str, ...] = check.optional(
         data, "ray_head_args", path,
         lambda v, p: check.str_list(v, p, "'ray start --head' arguments"), ())
-    for key in ("ray_args", "ray_head_args"):
+    for key in RAY_ONLY_KEYS:
         if key in data and launch_mode != "ray":
             raise check.fail((*path, key), f"'{key}' applies only to launch_mode 'ray'",
                              at_key=True)
@@ -383,9 +409,28 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
                 raise check.fail((*path, key, i), f"'{flag}' would put a secret into a "
                                  "world-readable unit file; set it through environment_file "
                                  "(e.g. VLLM_API_KEY, HF_TOKEN) instead")
+    ray_num_gpus = check.optional(data, "ray_num_gpus", path, lambda v, p: check.integer(
+        v, p, 0, 4096, "the GPUs each Ray node offers"), None)
+    ray_auth = check.optional(data, "ray_auth", path,
+                              lambda v, p: check.choice(v, p, RAY_AUTH_MODES), "disabled")
+    ray_token_file = check.optional(data, "ray_token_file", path,
+                                    lambda v, p: check.abs_path(v, p, "the Ray token file"),
+                                    None)
+    if ray_token_file is not None and ray_auth != "token":
+        raise check.fail((*path, "ray_token_file"), "a token file needs ray_auth: token",
+                         at_key=True)
+    if ray_auth == "token" and ray_token_file is None:
+        ray_token_file = DEFAULT_RAY_TOKEN_FILE
+    distributed_timeout = check.optional(data, "distributed_timeout", path, lambda v, p:
+                                         check.integer(v, p, 1, 86400, "a timeout in seconds"),
+                                         None)
+    stop_timeout = check.optional_int(data, "stop_timeout", path, 1, 86400,
+                                      "a timeout in seconds", DEFAULT_STOP_TIMEOUT)
     gpus: tuple[str, ...] = check.optional(data, "gpus", path, lambda v, p: _gpus(check, v, p), ())
+    any_interface = any(node.interface for node in nodes)
     env: tuple[tuple[str, str], ...] = check.optional(
-        data, "env", path, lambda v, p: _env(check, v, p, engine, launch_mode, bool(gpus)), ())
+        data, "env", path, lambda v, p: _env(check, v, p, engine, launch_mode, bool(gpus),
+                                             interface=any_interface), ())
     environment_file = check.optional(
         data, "environment_file", path,
         lambda v, p: check.abs_path(v, p, "an environment file"), None)
@@ -412,7 +457,9 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
         rendezvous_timeout=rendezvous_timeout, port_release_timeout=port_release_timeout,
         model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, host=host, gpus=gpus,
         env=env, environment_file=environment_file, args=args, ray_args=ray_args,
-        ray_head_args=ray_head_args, user=user, health=health, group_restart=group_restart,
+        ray_head_args=ray_head_args, ray_num_gpus=ray_num_gpus, ray_auth=ray_auth,
+        ray_token_file=ray_token_file, distributed_timeout=distributed_timeout,
+        stop_timeout=stop_timeout, user=user, health=health, group_restart=group_restart,
         virtualenv=virtualenv, restart=restart, ranks=ranks, source=check.doc.file,
     )
 
@@ -426,14 +473,16 @@ def _ip_reader(check: _Checker, what: str) -> Callable[[Any, KeyPath], str]:
     return read
 
 
-def _nodes(check: _Checker, raw: Any, path: KeyPath) -> tuple[Node, ...]:
+def _nodes(check: _Checker, raw: Any, path: KeyPath, engine: str, launch_mode: str | None
+           ) -> tuple[Node, ...]:
     items = check.sequence(raw, path, "nodes (rank = position, rank 0 leads)", min_len=1)
     nodes: list[Node] = []
     seen_names: dict[str, int] = {}
     seen_addresses: dict[str, int] = {}
     for rank, item in enumerate(items):
         npath = (*path, rank)
-        data = check.mapping(item, npath, ("name", "address"), ("name", "address"))
+        data = check.mapping(item, npath, ("name", "address", "interface", "env"),
+                             ("name", "address"))
         name = check.matching(data["name"], (*npath, "name"), NODE_NAME_RE,
                               "a node's host name (letters, digits, '.', '_', '-')")
         address = check.string(data["address"], (*npath, "address"),
@@ -449,7 +498,14 @@ def _nodes(check: _Checker, raw: Any, path: KeyPath) -> tuple[Node, ...]:
                              f"rank {seen_addresses[address]} of this replica)")
         seen_names[name] = rank
         seen_addresses[address] = rank
-        nodes.append(Node(name, address))
+        interface = check.optional(data, "interface", npath, lambda v, p: check.matching(
+            v, p, IFNAME_RE, "a network interface name (at most 15 characters, no '/', ':' "
+            "or spaces)"), None)
+        env: tuple[tuple[str, str], ...] = ()
+        if data.get("env") is not None:
+            env = _env(check, data["env"], (*npath, "env"), engine, launch_mode,
+                       has_gpus=False, interface=interface is not None)
+        nodes.append(Node(name, address, interface, env))
     return tuple(nodes)
 
 
@@ -514,11 +570,15 @@ RESERVED_ENV = {
     "CUDA_VISIBLE_DEVICES": "gpus",
     "VLLM_HOST_IP": "each node's address",
     "RAY_ADDRESS": "the leader's address and rendezvous_port",
+    "RAY_AUTH_MODE": "ray_auth",
+    "RAY_AUTH_TOKEN_PATH": "ray_auth and ray_token_file",
+    "GLOO_SOCKET_IFNAME": "the nodes' interface",
+    "NCCL_SOCKET_IFNAME": "the nodes' interface",
 }
 
 
 def _env(check: _Checker, raw: Any, path: KeyPath, engine: str, launch_mode: str | None,
-         has_gpus: bool) -> tuple[tuple[str, str], ...]:
+         has_gpus: bool, *, interface: bool) -> tuple[tuple[str, str], ...]:
     if not isinstance(raw, dict):
         raise check.fail(path, f"expected a mapping of NAME: value; got {_kind(raw)}")
     out: list[tuple[str, str]] = []
@@ -531,9 +591,11 @@ def _env(check: _Checker, raw: Any, path: KeyPath, engine: str, launch_mode: str
             raise check.fail(kpath, f"'{key}' looks like a secret, and unit files are "
                              "world-readable; put it in environment_file instead", at_key=True)
         reserved_from = RESERVED_ENV.get(key)
-        sets_it = (key == "CUDA_VISIBLE_DEVICES" and has_gpus) or (
-            engine == "vllm" and (key == "VLLM_HOST_IP" or
-                                  (key == "RAY_ADDRESS" and launch_mode == "ray")))
+        on_ray = engine == "vllm" and launch_mode == "ray"
+        sets_it = ((key == "CUDA_VISIBLE_DEVICES" and has_gpus)
+                   or (key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") and interface)
+                   or (engine == "vllm" and key == "VLLM_HOST_IP")
+                   or (on_ray and key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")))
         if reserved_from and sets_it:
             raise check.fail(kpath, f"'{key}' is set by llmgw-render from {reserved_from}",
                              at_key=True)
@@ -584,7 +646,7 @@ def _group_restart(check: _Checker, raw: Any, path: KeyPath) -> GroupRestartPoli
 
 
 def _health(check: _Checker, raw: Any, path: KeyPath) -> HealthCheck:
-    data = check.mapping(raw, path, ("path", "interval", "timeout", "stability"))
+    data = check.mapping(raw, path, ("path", "interval", "timeout", "stability", "generation"))
     base = HealthCheck()
     probe_path = check.optional(data, "path", path, lambda v, p: check.string(
         v, p, "an HTTP path such as /health"), base.path)
@@ -599,6 +661,21 @@ def _health(check: _Checker, raw: Any, path: KeyPath) -> HealthCheck:
                                    base.timeout),
         stability=check.optional_int(data, "stability", path, 0, 86400,
                                      "seconds a non-serving rank must stay up", base.stability),
+        generation=check.optional(data, "generation", path,
+                                  lambda v, p: _generation(check, v, p), None),
+    )
+
+
+def _generation(check: _Checker, raw: Any, path: KeyPath) -> GenerationCheck | None:
+    if raw is True or raw is False:
+        return GenerationCheck() if raw else None
+    data = check.mapping(raw, path, ("interval", "timeout"))
+    base = GenerationCheck()
+    return GenerationCheck(
+        interval=check.optional_int(data, "interval", path, 1, 86400,
+                                    "seconds between one-token completions", base.interval),
+        timeout=check.optional_int(data, "timeout", path, 1, 600,
+                                   "a completion timeout in seconds", base.timeout),
     )
 
 

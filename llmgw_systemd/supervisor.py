@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import api
+from .engines import served_model_name
 from .errors import LlmgwError
 from .evidence import LocalEvidence, PeerEvidence, ProbeEvidence
 from .health import READY
 from .httpserve import Changes, HttpServer, Request, Response
 from .metrics import SupervisorMetrics
 from .peerclient import PeerError, fetch_shards
-from .probe import http_probe, probe_address
+from .probe import completion_probe, http_probe, probe_address
 from .ratelog import RateLimitedLog
 from .replicastate import Memory, ReplicaPolicy, Verdict, judge, refused
 from .sdnotify import notify, watchdog_interval
@@ -81,29 +82,44 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-class Prober:
-    """Probes one serving shard every interval, and at once when its generation changes."""
+HEALTH, GENERATION = "health", "generation"
 
-    def __init__(self, supervisor: Supervisor, shard: LocalShard) -> None:
-        self.supervisor, self.shard = supervisor, shard
+
+class Prober:
+    """Probes one serving shard every interval, and at once when its generation changes:
+    its health endpoint, or (a prober of its own, so a slow completion never delays the
+    health probe) a one-token completion."""
+
+    def __init__(self, supervisor: Supervisor, shard: LocalShard, kind: str) -> None:
+        self.supervisor, self.shard, self.kind = supervisor, shard, kind
         self.stop = threading.Event()
         self.poke = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True,
-                                       name=f"probe-{shard.replica.name}")
+                                       name=f"{kind}-{shard.replica.name}")
 
     def run(self) -> None:
         replica, sup = self.shard.replica, self.supervisor
         host, port = probe_address(replica.host), replica.port
+        check = replica.health.generation
+        interval = check.interval if self.kind == GENERATION and check else \
+            replica.health.interval
+        model = served_model_name(replica)
         while not self.stop.is_set() and port is not None:
             generation = sup.generation_of(replica.name)
             if generation:
                 started = time.monotonic()
-                result = http_probe(host, port, replica.health.path, replica.health.timeout)
-                sup.metrics.probe_seconds.labels(replica.name).observe(
-                    time.monotonic() - started)
-                sup.add_probe(replica.name, ProbeEvidence(result.ok, result.detail,
-                                                          generation, started))
-            self.poke.wait(replica.health.interval)
+                if self.kind == GENERATION and check is not None:
+                    result = completion_probe(host, port, model, check.timeout)
+                    sup.metrics.completion_seconds.labels(replica.name).observe(
+                        time.monotonic() - started)
+                else:
+                    result = http_probe(host, port, replica.health.path,
+                                        replica.health.timeout)
+                    sup.metrics.probe_seconds.labels(replica.name).observe(
+                        time.monotonic() - started)
+                sup.add_probe(replica.name, self.kind,
+                              ProbeEvidence(result.ok, result.detail, generation, started))
+            self.poke.wait(interval)
             self.poke.clear()
 
 
@@ -173,6 +189,7 @@ class Supervisor:
         # evidence, written by the gathering threads, read by reconcile
         self.local: dict[str, LocalEvidence] = {}
         self.probes: dict[str, ProbeEvidence] = {}
+        self.completions: dict[str, ProbeEvidence] = {}
         self.peers: dict[str, PeerEvidence] = {}
         self.probe_woke: set[str] = set()
         # the reconcile thread's own
@@ -184,7 +201,7 @@ class Supervisor:
         self.last_full = 0.0
         self.heartbeat = time.monotonic()
         self.saved_restarts: dict[str, tuple[float, ...]] = {}
-        self.probers: dict[str, Prober] = {}
+        self.probers: dict[tuple[str, str], Prober] = {}
         self.fetchers: dict[tuple[str, str], PeerFetcher] = {}
         self.changes = Changes()
         self.published = api.Published(config.node, 0)
@@ -219,7 +236,7 @@ class Supervisor:
         self.policies = {s.replica.name: self._policy(s) for s in shards}
         names = set(self.policies)
         with self.lock:
-            for table in (self.local, self.probes):
+            for table in (self.local, self.probes, self.completions):
                 for gone in set(table) - names:
                     del table[gone]
         for gone in set(self.memory) - names:
@@ -252,13 +269,18 @@ class Supervisor:
             probe_fresh=check.interval + check.timeout + 1.0,
             peer_fresh=config.peer_wait + config.peer_timeout + 1.0,
             settle=config.peer_wait + config.peer_timeout + replica.restart.delay + 1.0,
-            group_restart=replica.group_restart, require_auth=config.tls is not None)
+            group_restart=replica.group_restart, require_auth=config.tls is not None,
+            follows_leader=replica.engine != "command" and len(replica.nodes) > 1,
+            completion_fresh=(check.generation.interval + check.generation.timeout + 1.0
+                              if check.generation is not None else None))
 
     def _sync_threads(self) -> None:
         """One prober per serving shard, one fetcher per peer node: started and stopped
         as the spec changes."""
-        wanted_probes = {s.replica.name: s for s in self.shards
-                         if s.serving and s.replica.port is not None}
+        wanted_probes = {(s.replica.name, kind): s for s in self.shards
+                         if s.serving and s.replica.port is not None
+                         for kind in (HEALTH, GENERATION)
+                         if kind == HEALTH or s.replica.health.generation is not None}
         wanted_peers = {(n.name, n.address) for s in self.shards
                         for rank, n in enumerate(s.replica.nodes) if rank != s.plan.rank}
         for name in list(self.probers):
@@ -267,10 +289,10 @@ class Supervisor:
         for key in list(self.fetchers):
             if key not in wanted_peers:
                 self.fetchers.pop(key).stop.set()
-        for name, shard in wanted_probes.items():
-            if name not in self.probers:
-                self.probers[name] = Prober(self, shard)
-                self.probers[name].thread.start()
+        for key, shard in wanted_probes.items():
+            if key not in self.probers:
+                self.probers[key] = Prober(self, shard, key[1])
+                self.probers[key].thread.start()
         for node, address in sorted(wanted_peers - set(self.fetchers)):
             self.fetchers[(node, address)] = PeerFetcher(self, node, address)
             self.fetchers[(node, address)].thread.start()
@@ -301,9 +323,9 @@ class Supervisor:
             local = self.local.get(replica)
         return local.generation if local is not None and not self.bus_error else ""
 
-    def add_probe(self, replica: str, evidence: ProbeEvidence) -> None:
+    def add_probe(self, replica: str, kind: str, evidence: ProbeEvidence) -> None:
         with self.lock:
-            self.probes[replica] = evidence
+            (self.completions if kind == GENERATION else self.probes)[replica] = evidence
             self.probe_woke.add(replica)
         self.wake.set()
 
@@ -438,15 +460,17 @@ class Supervisor:
                        if name in self.local and self.local[name].generation != e.generation]
             self.local.update(evidence)
         for name in changed:  # a new start of the engine: probe it now, not in a while
-            prober = self.probers.get(name)
-            if prober is not None:
-                prober.poke.set()
+            for kind in (HEALTH, GENERATION):
+                prober = self.probers.get((name, kind))
+                if prober is not None:
+                    prober.poke.set()
 
     def _judge_and_publish(self, now: float, only: set[str] | None = None) -> None:
         """Judge every replica (or `only` these: the fast first look after a signal, so
         a death is published without rebuilding every other replica's answer)."""
         with self.lock:
             local, probes, peers = dict(self.local), dict(self.probes), dict(self.peers)
+            completions = dict(self.completions)
         for shard in self.shards:
             name = shard.replica.name
             if only is not None and name not in only:
@@ -454,6 +478,7 @@ class Supervisor:
             policy = self.policies[name]
             verdict = judge(policy, self.memory.get(name, Memory()), local=local.get(name),
                             systemd_error=self.bus_error, probe=probes.get(name),
+                            completion=completions.get(name),
                             peers=peers, now=now)
             self.memory[name] = verdict.memory
             self.verdicts[name] = verdict

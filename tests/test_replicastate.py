@@ -20,6 +20,8 @@ POLICY = ReplicaPolicy(name="rep", nodes=("a", "b"), rank=0, serving=True, stabi
                        group_restart=GroupRestartPolicy(delay=5, max_delay=60, budget=2,
                                                         window=600))
 WORKER = replace(POLICY, rank=1, serving=False)
+GENERATING = replace(POLICY, completion_fresh=12)  # the generation check is on
+FOLLOWER = replace(WORKER, follows_leader=True)  # rank 1 of vLLM/SGLang: joined rank 0
 
 
 def units(active: str = "active", sub: str = "running", *, gen: str = GEN,
@@ -38,6 +40,8 @@ PROBE_OK = ProbeEvidence(True, "HTTP 200 in 3 ms", GEN, NOW - 1)
 PROBE_OLD_GEN = ProbeEvidence(True, "HTTP 200 in 3 ms", OLD_GEN, NOW - 1)
 PROBE_STALE = ProbeEvidence(True, "HTTP 200 in 3 ms", GEN, NOW - 10)
 PROBE_REFUSED = ProbeEvidence(False, "connection refused", GEN, NOW - 1)
+COMPLETED = ProbeEvidence(True, "answered in 40 ms", GEN, NOW - 2)
+COMPLETION_500 = ProbeEvidence(False, "HTTP 500 in 9 ms", GEN, NOW - 2)
 
 
 def peer(source: str, *shards: PeerShard, age: float = 1, authenticated: bool = True,
@@ -66,6 +70,7 @@ class Case:
     restarts: int = 0  # RestartShard actions expected
     ignored: int = 0
     systemd_error: str = ""
+    completion: ProbeEvidence | None = None
 
 
 CASES = [
@@ -147,6 +152,41 @@ CASES = [
          peers={"b": peer("b", shard(1, "b", STOPPED))}, state=STOPPED),
     Case("our units not rendered", local=units("inactive", "dead", gen="", load="not-found"),
          probe=None, state=FAILED, reason="not-found: render the spec"),
+    # the generation check: /health alone stays 200 with a dead mp peer
+    Case("generation check on: /health and a recent completion", policy=GENERATING,
+         completion=COMPLETED),
+    Case("generation check on, no completion yet: still starting", policy=GENERATING,
+         state=STARTING, reason="no one-token completion yet"),
+    Case("completion failed while /health says 200", policy=GENERATING,
+         completion=COMPLETION_500, memory=Memory(served=GEN), state=DEGRADED,
+         reason="one-token completion failed: HTTP 500"),
+    Case("completion from an earlier start counts for nothing", policy=GENERATING,
+         completion=replace(COMPLETED, generation=OLD_GEN), state=STARTING,
+         reason="no one-token completion yet"),
+    Case("completion older than its interval + timeout", policy=GENERATING,
+         completion=replace(COMPLETED, taken_at=NOW - 13), memory=Memory(served=GEN),
+         state=DEGRADED, reason="no one-token completion yet"),
+    Case("generation check off: completions are not asked for",
+         completion=COMPLETION_500),
+    # rank 0 stopped: a rank that had joined it is a broken half and restarts
+    Case("rank 0 stopped while this rank's engine runs: restart to wait again",
+         policy=FOLLOWER, peers={"a": peer("a", shard(0, "a", STOPPED))},
+         memory=Memory(failing_since=NOW - 5), state=DEGRADED,
+         reason="rank 0 on a stopped; this rank must wait", restarts=1),
+    Case("rank 0 stopped: first the group-restart delay", policy=FOLLOWER,
+         peers={"a": peer("a", shard(0, "a", STOPPED))}, state=DEGRADED,
+         reason="group restart 1 of 2 in 5 s"),
+    Case("rank 0 stopped while this rank waits for it: nothing to do", policy=FOLLOWER,
+         local=units("activating", "start-pre"), memory=Memory(failing_since=NOW - 5),
+         peers={"a": peer("a", shard(0, "a", STOPPED))}, state=DEGRADED,
+         reason="rank 0 on a: stopped"),
+    Case("rank 0 unheard of is no stop (a partition is not an order)", policy=FOLLOWER,
+         memory=Memory(failing_since=NOW - 5), peers={"a": peer("a", error="refused")},
+         state=DEGRADED, reason="unreachable"),
+    Case("a command replica's rank 0 stopped: its other ranks are left alone",
+         policy=WORKER, memory=Memory(failing_since=NOW - 5),
+         peers={"a": peer("a", shard(0, "a", STOPPED))}, state=DEGRADED,
+         reason="rank 0 on a: stopped"),
     Case("a peer that is unreachable while ours fails: unknown, still failed",
          local=units("failed", "failed", result="exit-code"), probe=None,
          peers={"b": peer("b", error="refused")}, state=FAILED, reason="rank 0 on a"),
@@ -157,7 +197,7 @@ CASES = [
 def test_judge(case: Case) -> None:
     verdict = judge(case.policy, case.memory, local=case.local,
                     systemd_error=case.systemd_error, probe=case.probe, peers=case.peers,
-                    now=NOW)
+                    now=NOW, completion=case.completion)
     assert verdict.health.state == case.state, verdict.health
     assert case.reason in verdict.health.reason
     assert len(verdict.actions) == case.restarts

@@ -102,6 +102,11 @@ def read_exec(value: str) -> list[str]:
 
 def read_env(value: str) -> tuple[str, str]:
     """An Environment= value (one assignment) -> (name, value); no '$' expansion there."""
+    name, sep, rest = value.partition("=")
+    if sep and rest.startswith("%d/") and '"' not in name:
+        # the one specifier we write on purpose: the unit's credentials directory
+        (word,) = split_words(_collapse(rest[2:], "%"))
+        return name, "%d" + word
     (word,) = split_words(_collapse(value, "%"))
     name, _, val = word.partition("=")
     return name, val

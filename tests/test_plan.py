@@ -1,0 +1,101 @@
+"""What each engine and launch mode runs, table-driven (the pure planner): clean exit
+statuses from what the real engines do (docs/engines.md), how a Ray token reaches the
+processes under each manager, per-node settings, and the name a generation check asks
+for."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw_systemd.engines import served_model_name
+from llmgw_systemd.plan import Manager, plan_shard
+from llmgw_systemd.spec import Replica, build_spec
+from llmgw_systemd.yamldoc import parse
+
+SYSTEM = Manager(user=False, wait_for_port="/usr/bin/llmgw-wait-for-port")
+USER = Manager(user=True, wait_for_port="/usr/bin/llmgw-wait-for-port")
+TWO_NODES = "nodes: [{name: a, address: 10.0.0.1}, {name: b, address: 10.0.0.2}]"
+
+
+def replica(body: str) -> Replica:
+    text = "replicas:\n  - name: r\n" + "".join(f"    {line}\n" for line in body.splitlines())
+    return build_spec([parse(text.encode(), "spec.yaml")]).replicas[0]
+
+
+@pytest.mark.parametrize(("what", "body", "rank", "statuses"), [
+    # vllm serve exits 1 when stopped during start-up, 0 once ready; ray start --block 1
+    ("vLLM alone", "engine: vllm\nlaunch_mode: mp\nmodel: /m\nnodes: [{name: a, address: "
+     "10.0.0.1}]", 0, {"engine": (1,)}),
+    ("vLLM mp, rank 0", f"engine: vllm\nlaunch_mode: mp\nmodel: /m\n{TWO_NODES}", 0,
+     {"engine": (1,)}),
+    ("vLLM mp, headless rank 1", f"engine: vllm\nlaunch_mode: mp\nmodel: /m\n{TWO_NODES}", 1,
+     {"engine": (1,)}),
+    ("vLLM on Ray, leader", f"engine: vllm\nmodel: /m\n{TWO_NODES}", 0,
+     {"ray-head": (1,), "engine": (1,)}),
+    ("vLLM on Ray, worker (ray start only)", f"engine: vllm\nmodel: /m\n{TWO_NODES}", 1,
+     {"engine": (1,)}),
+    ("SGLang (a stand-in only: nothing measured)", f"engine: sglang\nmodel: /m\n{TWO_NODES}",
+     0, {"engine": ()}),
+    ("a command: exit 0 is the only clean one", "engine: command\nserving_rank: null\n"
+     "nodes: [{name: a, address: 10.0.0.1}]\nranks: [{commands: [{argv: [/bin/true]}]}]", 0,
+     {"engine": ()}),
+])
+def test_clean_exit_statuses(what: str, body: str, rank: int,
+                             statuses: dict[str, tuple[int, ...]]) -> None:
+    plan = plan_shard(replica(body), rank, SYSTEM)
+    got = {s.name.removeprefix("llmgw-r-").removesuffix(".service"): s.success_exit_status
+           for s in plan.services}
+    assert got == statuses, what
+
+
+RAY_TOKEN = f"engine: vllm\nmodel: /m\nray_auth: token\nray_token_file: /etc/t\n{TWO_NODES}"
+
+
+@pytest.mark.parametrize(("manager", "env", "credentials"), [
+    (SYSTEM, {"RAY_AUTH_MODE": "token"}, (("RAY_AUTH_TOKEN_PATH", "ray-token", "/etc/t"),)),
+    (USER, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/etc/t"}, ()),
+])
+def test_ray_token_reaches_every_ray_process(manager: Manager, env: dict[str, str],
+                                             credentials: tuple[tuple[str, str, str], ...]
+                                             ) -> None:
+    for rank in (0, 1):
+        for service in plan_shard(replica(RAY_TOKEN), rank, manager).services:
+            have = dict(service.environment)
+            assert {k: have.get(k) for k in env} == env, service.name
+            assert service.credential_env == credentials, service.name
+
+
+def test_ray_auth_is_always_stated() -> None:
+    """Unset, a Ray head turns token auth on by itself when ~/.ray/auth_token exists."""
+    for service in plan_shard(replica(f"engine: vllm\nmodel: /m\n{TWO_NODES}"), 0,
+                              SYSTEM).services:
+        assert dict(service.environment)["RAY_AUTH_MODE"] == "disabled"
+
+
+def test_node_env_wins_once_and_interface_feeds_gloo_and_nccl() -> None:
+    r = replica("engine: vllm\nlaunch_mode: mp\nmodel: /m\nenv: {X: replica, Y: y}\nnodes:\n"
+                "  - {name: a, address: 10.0.0.1, interface: eth0}\n"
+                "  - {name: b, address: 10.0.0.2, interface: ib0, env: {X: node-b}}")
+    env_a = plan_shard(r, 0, SYSTEM).services[-1].environment
+    env_b = plan_shard(r, 1, SYSTEM).services[-1].environment
+    assert dict(env_a)["X"] == "replica" and dict(env_b)["X"] == "node-b"
+    assert [k for k, _ in env_b].count("X") == 1
+    assert dict(env_a)["GLOO_SOCKET_IFNAME"] == dict(env_a)["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert dict(env_b)["GLOO_SOCKET_IFNAME"] == dict(env_b)["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
+@pytest.mark.parametrize(("args", "name"), [
+    ("[]", "/models/x"),
+    ("[--served-model-name, llama]", "llama"),
+    ("[--served-model-name=llama]", "llama"),
+    ("[--served-model-name, a, b]", "a"),
+])
+def test_served_model_name(args: str, name: str) -> None:
+    r = replica(f"engine: vllm\nmodel: /models/x\nargs: {args}\n"
+                "nodes: [{name: a, address: 10.0.0.1}]")
+    assert served_model_name(r) == name
+
+
+def test_stop_timeout_reaches_every_member() -> None:
+    r = replica(f"engine: vllm\nmodel: /m\nstop_timeout: 240\n{TWO_NODES}")
+    assert {s.timeout_stop_sec for s in plan_shard(r, 0, SYSTEM).services} == {240}
