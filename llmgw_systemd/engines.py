@@ -14,11 +14,24 @@ from .spec import Replica
 # ray start --block exits 1 when systemd stops it with SIGTERM (docs/engines.md);
 # counting 1 as clean keeps a plain `systemctl stop` from leaving the unit failed.
 RAY_CLEAN_EXIT = (1,)
+# `ray start --block` drains its node through the GCS when it gets SIGTERM; signalled
+# together with its children (KillMode=control-group) a head waits 30 s for its own GCS
+# that is already gone; alone (mixed) it stops in 2 s, and systemd SIGKILLs what is
+# left (measured: docs/engines.md).
+RAY_KILL_MODE = "mixed"
+# On SIGTERM `ray start` first drains its node for up to 30 s (meant for Ray Serve's
+# proxies); a worker whose head is gone waits all of it, past the stop timeout. A vLLM
+# replica gains nothing from the drain: off, unless the spec's env sets it.
+RAY_NO_DRAIN = ("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
 # The real vllm serve 0.32 exits 0 on SIGTERM once ready, but 1 when stopped while it
 # still starts (waiting for Ray's placement group or for its mp peers), in every mode
 # (docs/engines.md). Either is a clean stop. It also exits 0 after its engine died:
 # Restart=always, not on-failure, is what brings it back.
 VLLM_CLEAN_EXIT = (1,)
+# A vLLM rank blocked in its rendezvous ignores SIGTERM (an mp rank 0 waiting for its
+# peers). The units stop vLLM through llmgw-stop-group, which SIGKILLs what is left after
+# a grace period inside the stop; so SIGKILL of the main process counts as clean too.
+VLLM_CLEAN_SIGNALS = ("SIGKILL",)
 # The Ray token reaches the processes as a file named by RAY_AUTH_TOKEN_PATH; under the
 # system manager the file comes in through LoadCredential= under this name.
 RAY_TOKEN_CREDENTIAL = "ray-token"  # noqa: S105 - a credential name, not a secret
@@ -41,6 +54,9 @@ class Step:
     # (variable, credential name, source file): the variable names the file, loaded as a
     # credential where the manager can (never the secret itself in the unit)
     credential_env: tuple[tuple[str, str, str], ...] = ()
+    kill_mode: str = "control-group"  # "mixed" for `ray start` (RAY_KILL_MODE)
+    clean_exit_signals: tuple[str, ...] = ()
+    stop_with_grace: bool = False  # ExecStop=llmgw-stop-group: SIGTERM, grace, SIGKILL
 
 
 def ray_temp_dir(replica_name: str, rank: int) -> str:
@@ -138,15 +154,15 @@ def _vllm_ray_steps(replica: Replica, rank: int) -> tuple[Step, ...]:
         return (Step(
             name="engine", role=f"Ray worker joining {head}",
             argv=(_bin(replica, "ray"), "start", f"--address={head}", *ray_common),
-            wait_for=(head,), env=ray_env, clean_exit_statuses=RAY_CLEAN_EXIT,
-            credential_env=token,
+            wait_for=(head,), env=(*ray_env, RAY_NO_DRAIN), clean_exit_statuses=RAY_CLEAN_EXIT,
+            credential_env=token, kill_mode=RAY_KILL_MODE,
         ),)
     ray_head = Step(
         name="ray-head", role=f"Ray head on port {head.port}",
         argv=(_bin(replica, "ray"), "start", "--head", f"--port={head.port}",
               *ray_common[:-1], *replica.ray_head_args, "--block"),
-        frees=(Endpoint(_wildcard(address), head.port),), env=ray_env,
-        clean_exit_statuses=RAY_CLEAN_EXIT, credential_env=token,
+        frees=(Endpoint(_wildcard(address), head.port),), env=(*ray_env, RAY_NO_DRAIN),
+        clean_exit_statuses=RAY_CLEAN_EXIT, credential_env=token, kill_mode=RAY_KILL_MODE,
     )
     server = Step(
         name="engine", role="vLLM server on the Ray cluster",
@@ -155,6 +171,7 @@ def _vllm_ray_steps(replica: Replica, rank: int) -> tuple[Step, ...]:
               *_distributed_args(replica), *replica.args),
         wait_for=(head,), env=(*ray_env, ("RAY_ADDRESS", str(head))),
         clean_exit_statuses=VLLM_CLEAN_EXIT, credential_env=token,
+        clean_exit_signals=VLLM_CLEAN_SIGNALS, stop_with_grace=True,
     )
     return (ray_head, server)
 
@@ -182,7 +199,8 @@ def _vllm_mp_step(replica: Replica, rank: int) -> Step:
             frees = (Endpoint(_wildcard(address), master.port),)
     return Step(name="engine", role=role, argv=argv + replica.args, wait_for=wait_for,
                 frees=frees, env=(("VLLM_HOST_IP", address),),
-                clean_exit_statuses=VLLM_CLEAN_EXIT)
+                clean_exit_statuses=VLLM_CLEAN_EXIT, clean_exit_signals=VLLM_CLEAN_SIGNALS,
+                stop_with_grace=True)
 
 
 def _sglang_step(replica: Replica, rank: int) -> Step:

@@ -32,6 +32,7 @@ SLEEP = "/usr/bin/sleep"  # coreutils, at this path on Debian and RHEL alike
 # kills it: TimeoutStartSec= is re-armed for each ExecStartPre=, so each wait carries
 # its own deadline and systemd's timeout is only a backstop.
 START_TIMEOUT_MARGIN = 30
+STOP_MARGIN = 5  # seconds of TimeoutStopSec= left after llmgw-stop-group's grace
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class Manager:
 
     user: bool  # a per-user manager (systemctl --user) instead of the system manager
     wait_for_port: str  # absolute path of llmgw-wait-for-port
+
+    @property
+    def stop_group(self) -> str:
+        """llmgw-stop-group, installed beside llmgw-wait-for-port."""
+        return f"{self.wait_for_port.rsplit('/', 1)[0]}/llmgw-stop-group"
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,9 @@ class ServiceUnit:
     restart: RestartPolicy
     timeout_start_sec: int | None
     timeout_stop_sec: int
-    success_exit_status: tuple[int, ...]
+    kill_mode: str
+    success_exit_status: tuple[int | str, ...]
+    exec_stop: tuple[str, ...] | None
     notify_status: bool  # a start step reports STATUS= to systemd
     hardening: bool
     on_failure: str  # the shard's restart unit
@@ -172,7 +180,10 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             restart=replica.restart,
             timeout_start_sec=max(waits) + START_TIMEOUT_MARGIN if waits else None,
             timeout_stop_sec=replica.stop_timeout,
-            success_exit_status=step.clean_exit_statuses,
+            kill_mode=step.kill_mode,
+            success_exit_status=(*step.clean_exit_statuses, *step.clean_exit_signals),
+            exec_stop=(manager.stop_group, "--grace", str(stop_grace(replica.stop_timeout)))
+            if step.stop_with_grace else None,
             notify_status=bool(pre),
             hardening=not manager.user,
             on_failure=restarter,
@@ -195,6 +206,12 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             target=target, sleep_argv=(SLEEP, str(replica.restart.delay)),
         ),
     )
+
+
+def stop_grace(stop_timeout: int) -> int:
+    """Seconds llmgw-stop-group gives SIGTERM before SIGKILL: inside TimeoutStopSec=, so
+    its SIGKILL, not systemd's timeout, ends a process that ignores SIGTERM."""
+    return max(1, stop_timeout - STOP_MARGIN)
 
 
 def _merged(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:

@@ -39,9 +39,12 @@ SECRET_FLAGS = ("--api-key", "--hf-token", "--token")
 IFNAME_RE = re.compile(r"[A-Za-z0-9_@.+-]{1,15}\Z")
 RAY_AUTH_MODES = ("disabled", "token")
 DEFAULT_RAY_TOKEN_FILE = "/etc/llmgw/ray-token"  # noqa: S105 - a path, not a secret
-# systemd's own default; vLLM exits within seconds of SIGTERM, a headless rank after
-# about 10 s (docs/engines.md), and a big model needs time to free its GPU memory.
-DEFAULT_STOP_TIMEOUT = 90
+# vLLM exits within a second of SIGTERM once ready, within 7 s while it starts, a
+# headless rank about 10 s after it; a worker orphaned by a killed rank ignores SIGTERM
+# and waits for the SIGKILL at the end of this (docs/engines.md).
+DEFAULT_STOP_TIMEOUT = 30
+# vLLM's --shutdown-timeout (drain in-flight requests) must end before systemd's SIGKILL.
+SHUTDOWN_MARGIN = 10
 
 
 @dataclass(frozen=True)
@@ -426,6 +429,12 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
                                          None)
     stop_timeout = check.optional_int(data, "stop_timeout", path, 1, 86400,
                                       "a timeout in seconds", DEFAULT_STOP_TIMEOUT)
+    drain = _flag_value(args, "--shutdown-timeout") if engine == "vllm" else None
+    if drain is not None and drain.isdigit() and stop_timeout < int(drain) + SHUTDOWN_MARGIN:
+        where = (*path, "stop_timeout") if "stop_timeout" in data else path
+        raise check.fail(where, f"stop_timeout ({stop_timeout} s) must be at least vLLM's "
+                         f"--shutdown-timeout ({drain} s) + {SHUTDOWN_MARGIN} s, or systemd "
+                         "kills the engine while it drains; set stop_timeout")
     gpus: tuple[str, ...] = check.optional(data, "gpus", path, lambda v, p: _gpus(check, v, p), ())
     any_interface = any(node.interface for node in nodes)
     env: tuple[tuple[str, str], ...] = check.optional(
@@ -462,6 +471,16 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
         stop_timeout=stop_timeout, user=user, health=health, group_restart=group_restart,
         virtualenv=virtualenv, restart=restart, ranks=ranks, source=check.doc.file,
     )
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in an argument list (`--flag V` or `--flag=V`), if given."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def _ip_reader(check: _Checker, what: str) -> Callable[[Any, KeyPath], str]:

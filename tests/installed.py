@@ -7,3 +7,4 @@ from pathlib import Path
 BIN_DIR = Path(sys.executable).parent
 RENDER = str(BIN_DIR / "llmgw-render")
 WAIT_FOR_PORT = str(BIN_DIR / "llmgw-wait-for-port")
+STOP_GROUP = str(BIN_DIR / "llmgw-stop-group")

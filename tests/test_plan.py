@@ -14,6 +14,9 @@ from llmgw_systemd.yamldoc import parse
 
 SYSTEM = Manager(user=False, wait_for_port="/usr/bin/llmgw-wait-for-port")
 USER = Manager(user=True, wait_for_port="/usr/bin/llmgw-wait-for-port")
+# exit 1: stopped while it starts; SIGKILL: llmgw-stop-group ended a rank that ignored
+# SIGTERM (blocked in its rendezvous) inside the stop
+VLLM = (1, "SIGKILL")
 TWO_NODES = "nodes: [{name: a, address: 10.0.0.1}, {name: b, address: 10.0.0.2}]"
 
 
@@ -25,13 +28,13 @@ def replica(body: str) -> Replica:
 @pytest.mark.parametrize(("what", "body", "rank", "statuses"), [
     # vllm serve exits 1 when stopped during start-up, 0 once ready; ray start --block 1
     ("vLLM alone", "engine: vllm\nlaunch_mode: mp\nmodel: /m\nnodes: [{name: a, address: "
-     "10.0.0.1}]", 0, {"engine": (1,)}),
+     "10.0.0.1}]", 0, {"engine": VLLM}),
     ("vLLM mp, rank 0", f"engine: vllm\nlaunch_mode: mp\nmodel: /m\n{TWO_NODES}", 0,
-     {"engine": (1,)}),
+     {"engine": VLLM}),
     ("vLLM mp, headless rank 1", f"engine: vllm\nlaunch_mode: mp\nmodel: /m\n{TWO_NODES}", 1,
-     {"engine": (1,)}),
+     {"engine": VLLM}),
     ("vLLM on Ray, leader", f"engine: vllm\nmodel: /m\n{TWO_NODES}", 0,
-     {"ray-head": (1,), "engine": (1,)}),
+     {"ray-head": (1,), "engine": VLLM}),
     ("vLLM on Ray, worker (ray start only)", f"engine: vllm\nmodel: /m\n{TWO_NODES}", 1,
      {"engine": (1,)}),
     ("SGLang (a stand-in only: nothing measured)", f"engine: sglang\nmodel: /m\n{TWO_NODES}",
@@ -41,7 +44,7 @@ def replica(body: str) -> Replica:
      {"engine": ()}),
 ])
 def test_clean_exit_statuses(what: str, body: str, rank: int,
-                             statuses: dict[str, tuple[int, ...]]) -> None:
+                             statuses: dict[str, tuple[int | str, ...]]) -> None:
     plan = plan_shard(replica(body), rank, SYSTEM)
     got = {s.name.removeprefix("llmgw-r-").removesuffix(".service"): s.success_exit_status
            for s in plan.services}
@@ -99,3 +102,18 @@ def test_served_model_name(args: str, name: str) -> None:
 def test_stop_timeout_reaches_every_member() -> None:
     r = replica(f"engine: vllm\nmodel: /m\nstop_timeout: 240\n{TWO_NODES}")
     assert {s.timeout_stop_sec for s in plan_shard(r, 0, SYSTEM).services} == {240}
+
+
+@pytest.mark.parametrize(("body", "rank", "stopped_by_helper"), [
+    (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nstop_timeout: 40\n{TWO_NODES}", 1,
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "35")}),
+    (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 0,
+     {"ray-head": None, "engine": ("/usr/bin/llmgw-stop-group", "--grace", "25")}),
+    (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 1, {"engine": None}),
+])
+def test_vllm_is_stopped_by_the_group_helper_within_the_stop_timeout(
+        body: str, rank: int, stopped_by_helper: dict[str, tuple[str, ...] | None]) -> None:
+    plan = plan_shard(replica(body), rank, SYSTEM)
+    got = {s.name.removeprefix("llmgw-r-").removesuffix(".service"): s.exec_stop
+           for s in plan.services}
+    assert got == stopped_by_helper

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from helpers import WAIT_FOR_PORT, rendered_dir, run_render, snapshot, verify_units
+from installed import STOP_GROUP
 from unitfile import read_env, read_exec, read_unit
 
 CASES = sorted((Path(__file__).parent / "cases" / "render").glob("*.yaml"))
@@ -18,7 +19,8 @@ CASES = sorted((Path(__file__).parent / "cases" / "render").glob("*.yaml"))
 def _expand(value: Any) -> Any:
     if isinstance(value, list):
         return [_expand(v) for v in value]
-    return WAIT_FOR_PORT if value == "WAIT_FOR_PORT" else value
+    return {"WAIT_FOR_PORT": WAIT_FOR_PORT, "STOP_GROUP": STOP_GROUP}.get(value, value) \
+        if isinstance(value, str) else value
 
 
 def check_unit(name: str, text: str, expected: dict[str, Any]) -> None:

@@ -17,14 +17,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def head_argv(port: int, host: str, pid_file: Path) -> list[str]:
+def head_argv(port: int, host: str, pid_file: Path, slow_stop: int | None = None
+              ) -> list[str]:
     return [PYTHON, str(STANDINS / "rendezvous_head.py"), "--port", str(port), "--host", host,
-            "--pid-file", str(pid_file)]
+            "--pid-file", str(pid_file),
+            *(["--slow-stop", str(slow_stop)] if slow_stop is not None else [])]
 
 
 def member_argv(join: str, http_port: int | None = None, host: str = "0.0.0.0",
-                exit_on_term: int | None = None) -> list[str]:
+                exit_on_term: int | None = None, child_lingers: int | None = None
+                ) -> list[str]:
     argv = [PYTHON, str(STANDINS / "member.py"), "--join", join]
+    if child_lingers is not None:
+        argv += ["--child-lingers", str(child_lingers)]
     if exit_on_term is not None:
         argv += ["--exit-on-term", str(exit_on_term)]
     if http_port:
@@ -46,7 +51,9 @@ def write(path: Path, text: str) -> Path:
 def one_node_shard(path: Path, *, name: str, http: int, head: int, pid_file: Path,
                    delay: int = 2, burst: int = 5, interval: int = 120,
                    rendezvous_timeout: int = 20, port_release_timeout: int = 3,
-                   engine_exit_on_term: int | None = None) -> Path:
+                   engine_exit_on_term: int | None = None,
+                   head_slow_stop: int | None = None,
+                   engine_child_lingers: int | None = None) -> Path:
     """A leader shard on 127.0.0.1: a head sidecar, then a member that joins it and
     serves HTTP."""
     return write(path, f"""\
@@ -61,10 +68,10 @@ replicas:
     ranks:
       - commands:
           - name: head
-            argv: {yaml_list(head_argv(head, "127.0.0.1", pid_file))}
+            argv: {yaml_list(head_argv(head, "127.0.0.1", pid_file, head_slow_stop))}
             binds: [{head}]
           - argv: {yaml_list(member_argv(f"127.0.0.1:{head}", http, "127.0.0.1",
-                                         engine_exit_on_term))}
+                                         engine_exit_on_term, engine_child_lingers))}
             wait_for: ["127.0.0.1:{head}"]
 """)
 

@@ -215,6 +215,28 @@ def test_members_dying_together_still_bring_the_shard_back(
         assert shard.timestamp(HEAD, "ActiveEnter") < shard.timestamp(ENGINE, "ActiveEnter")
 
 
+def test_an_engine_that_exits_cleanly_on_its_own_still_brings_the_shard_back(
+        one_node: UserManager, tmp_path: Path) -> None:
+    """vLLM exits 0 when its engine died: a clean exit, so Restart= should bring it
+    back. But its engine core outlives it for a moment; while systemd stops that, the
+    unit is deactivating, BindsTo= stops the Ray head, and the head's stop queues a stop
+    of the engine, which cancels the pending restart: both end inactive, nothing failed
+    (measured with the real vLLM on Ray). OnSuccess= brings the shard back."""
+    shard = Shard(one_node, tmp_path, delay=1, burst=10, interval=600,
+                  engine_child_lingers=1)
+    shard.start()
+    for _ in range(2):
+        old_head, daemon_pid = shard.pids()
+        engine_pid = shard.main_pid(ENGINE)
+        shard.pid_file.unlink()
+        os.kill(engine_pid, signal.SIGTERM)  # dies by SIGTERM: a clean exit
+        wait_until(shard.pid_file.exists, 40, "a new head")
+        assert shard.pids()[0] != old_head
+        shard.wait_up(timeout=30)
+        assert shard.main_pid(ENGINE) != engine_pid
+        assert not pid_alive(daemon_pid), "the old head's daemonized child survived"
+
+
 def test_a_stop_never_brings_the_shard_back(one_node: UserManager, tmp_path: Path) -> None:
     """An engine that exits non-zero on SIGTERM ends failed when stopped; its
     OnFailure= must not then start the replica again."""

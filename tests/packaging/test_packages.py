@@ -18,7 +18,8 @@ VERSION = re.search(r'__version__ = "([^"]+)"',
 DEB = ROOT / "dist" / f"llmgw-systemd_{VERSION}_all.deb"
 RPM = ROOT / "dist" / f"llmgw-systemd-{VERSION}-1.noarch.rpm"
 CLEAN_PATH = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
-ENTRY_POINTS = ("llmgw-render", "llmgw-wait-for-port", "llmgw-supervisor", "llmgw-systemd")
+ENTRY_POINTS = ("llmgw-render", "llmgw-wait-for-port", "llmgw-stop-group", "llmgw-supervisor",
+                "llmgw-systemd")
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:

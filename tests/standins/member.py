@@ -5,14 +5,21 @@ head goes away, as a worker that lost its head does. Optionally serves HTTP (/he
 /v1/models) once joined, as a serving rank does.
 
     member.py --join HOST:PORT [--http-port P] [--http-host H] [--exit-on-term N]
+              [--child-lingers S]
+
+With --child-lingers it keeps a child process, as vllm serve keeps its engine core,
+that takes S seconds to exit after SIGTERM: when the main process exits, the unit stays
+deactivating that long while systemd stops the rest of its cgroup.
 """
 
 import argparse
 import json
+import os
 import signal
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -41,7 +48,16 @@ def main() -> None:
     parser.add_argument("--http-host", default="0.0.0.0")
     parser.add_argument("--exit-on-term", type=int,
                         help="exit with this status on SIGTERM (some engines exit non-zero)")
+    parser.add_argument("--child-lingers", type=float)
     args = parser.parse_args()
+    if args.child_lingers is not None and os.fork() == 0:
+        linger = args.child_lingers
+        def slow_exit(*_: object) -> None:
+            time.sleep(linger)
+            os._exit(0)
+        signal.signal(signal.SIGTERM, slow_exit)
+        while True:
+            time.sleep(3600)
     if args.exit_on_term is not None:
         status = args.exit_on_term
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(status))

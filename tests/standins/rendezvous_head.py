@@ -2,13 +2,15 @@
 """Stand-in for a rendezvous head (a Ray head's GCS): listens on a TCP port and, like
 Ray, leaves a daemonized child behind it (double fork + setsid), so tests can prove
 that stopping the unit kills its whole cgroup. Writes its and the child's PIDs to
---pid-file. Runs until killed.
+--pid-file. Runs until killed. With --slow-stop N it takes N seconds to exit (status 0)
+after SIGTERM, as a Ray head does whose drain waits for a GCS that is already gone.
 
-    rendezvous_head.py --port P [--host H] [--pid-file F]
+    rendezvous_head.py --port P [--host H] [--pid-file F] [--slow-stop N]
 """
 
 import argparse
 import os
+import signal
 import socket
 import time
 
@@ -18,7 +20,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--pid-file")
+    parser.add_argument("--slow-stop", type=float)
     args = parser.parse_args()
+    if args.slow_stop is not None:
+        def slow_exit(*_: object) -> None:
+            time.sleep(args.slow_stop)
+            os._exit(0)
+        signal.signal(signal.SIGTERM, slow_exit)
     server = socket.create_server((args.host, args.port), reuse_port=False)
     read_end, write_end = os.pipe()
     if os.fork() == 0:  # the daemon: setsid and fork again, like raylet and gcs_server

@@ -1,0 +1,105 @@
+"""llmgw-stop-group: the ExecStop= of vLLM units. SIGTERM to every process of the unit's
+control group, then SIGKILL to whatever is left after a grace period.
+
+Why (docs/engines.md): a vLLM rank blocked in its rendezvous (rank 0 of mp waiting for
+its peers, inside torch's TCPStore) does not act on SIGTERM. Left to systemd, the SIGKILL
+would come only when TimeoutStopSec= runs out, and the unit would end failed with
+Result=timeout. Done here, inside the stop, the unit ends inactive: the units count
+SIGKILL of the main process as a clean exit. It starts fast (standard library only):
+systemd runs it on every stop. `systemctl stop` still waits for it, bounded by
+TimeoutStopSec=, which stays the backstop.
+
+    llmgw-stop-group --grace SECONDS
+
+Exit 0 once no other process is left in the group; 1 if some survived SIGKILL (then
+systemd's own SIGKILL follows), 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+PROG = "llmgw-stop-group"
+CGROUP_FS = Path("/sys/fs/cgroup")
+POLL = 0.1  # seconds between looks at the group
+KILL_WAIT = 5.0  # seconds for SIGKILLed processes to be reaped
+
+
+def own_cgroups(proc_self_cgroup: str) -> list[Path]:
+    """Where this process's cgroup lives in each mounted hierarchy that tracks units: the
+    unified one (cgroup v2, or its mount beside v1 on a hybrid system) and systemd's own
+    v1 hierarchy (name=systemd)."""
+    groups: list[Path] = []
+    for line in proc_self_cgroup.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            groups += [CGROUP_FS / path.lstrip("/"), CGROUP_FS / "unified" / path.lstrip("/")]
+        elif controllers == "name=systemd":
+            groups.append(CGROUP_FS / "systemd" / path.lstrip("/"))
+    return [g for g in groups if (g / "cgroup.procs").is_file()]
+
+
+def members(groups: Sequence[Path]) -> set[int]:
+    pids: set[int] = set()
+    for group in groups:
+        for procs in group.rglob("cgroup.procs"):
+            try:
+                pids.update(int(p) for p in procs.read_text().split())
+            except OSError:
+                continue  # a child group went away meanwhile
+    pids.discard(os.getpid())
+    return pids
+
+
+def signal_all(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # gone meanwhile
+            os.kill(pid, sig)
+
+
+def stop_group(groups: Sequence[Path], grace: float) -> bool:
+    """SIGTERM to all, wait up to grace for them to go, SIGKILL the rest; True once
+    empty."""
+    signal_all(members(groups), signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while members(groups) and time.monotonic() < deadline:
+        time.sleep(POLL)
+    left = members(groups)
+    if not left:
+        return True
+    print(f"{PROG}: {len(left)} process(es) still running {grace:g} s after SIGTERM; "
+          "sending SIGKILL", flush=True)
+    deadline = time.monotonic() + KILL_WAIT
+    while left and time.monotonic() < deadline:
+        signal_all(left, signal.SIGKILL)
+        time.sleep(POLL)
+        left = members(groups)
+    return not left
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="SIGTERM every process of this unit's control group, then "
+        "SIGKILL whatever is left after --grace seconds (an ExecStop= helper).")
+    parser.add_argument("--grace", type=float, required=True,
+                        help="seconds between SIGTERM and SIGKILL")
+    args = parser.parse_args(argv)
+    if not 0 <= args.grace <= 86400:
+        parser.error("--grace must be 0 to 86400 seconds")
+    groups = own_cgroups(Path("/proc/self/cgroup").read_text())
+    if not groups:
+        print(f"{PROG}: cannot find this unit's control group", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(0 if stop_group(groups, args.grace) else 1)
+
+
+if __name__ == "__main__":
+    main()

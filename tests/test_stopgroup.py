@@ -1,0 +1,72 @@
+"""llmgw-stop-group, the ExecStop= of vLLM units: which cgroup it finds from
+/proc/self/cgroup (table), and, in a real cgroup of its own, that a process ignoring
+SIGTERM is SIGKILLed after the grace while one that obeys is simply gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmgw_systemd import stopgroup
+
+
+@pytest.mark.parametrize(("text", "made", "found"), [
+    ("0::/system.slice/x.service\n", ["system.slice/x.service"],
+     ["system.slice/x.service"]),  # cgroup v2 only
+    ("12:cpu,cpuacct:/\n1:name=systemd:/user/u.service\n0::/user/u.service\n",
+     ["unified/user/u.service", "systemd/user/u.service"],
+     ["unified/user/u.service", "systemd/user/u.service"]),  # hybrid, as on these machines
+    ("1:name=systemd:/a.service\n", ["systemd/a.service"], ["systemd/a.service"]),
+    ("0::/gone.service\n", [], []),  # nothing mounted there: nothing to signal
+])
+def test_own_cgroups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str,
+                     made: list[str], found: list[str]) -> None:
+    monkeypatch.setattr(stopgroup, "CGROUP_FS", tmp_path)
+    for rel in made:
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "cgroup.procs").write_text("")
+    got = stopgroup.own_cgroups(text)
+    assert sorted(str(g.relative_to(tmp_path)) for g in got) == sorted(found)
+
+
+def _cgroup(name: str) -> list[Path]:
+    roots = [r for r in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup/systemd"),
+                         Path("/sys/fs/cgroup")) if (r / "cgroup.procs").is_file()][:2]
+    assert roots, "no cgroup hierarchy to test in"
+    groups = [r / name for r in roots]
+    for g in groups:
+        g.mkdir()
+    return groups
+
+
+@pytest.mark.parametrize(("ignores_term", "killed"), [(True, True), (False, False)])
+def test_stop_group_kills_after_the_grace_only_what_ignores_sigterm(
+        ignores_term: bool, killed: bool) -> None:
+    groups = _cgroup(f"llmgw-test-stopgroup-{os.getpid()}-{int(ignores_term)}")
+    code = ("import signal, time\n"
+            + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignores_term else "")
+            + "print('up', flush=True)\ntime.sleep(600)")
+    procs = [str(g / "cgroup.procs") for g in groups]
+
+    def enter() -> None:
+        for path in procs:
+            Path(path).write_text(str(os.getpid()))
+
+    child = subprocess.Popen([sys.executable, "-c", code], preexec_fn=enter,  # noqa: PLW1509
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
+        assert stopgroup.stop_group(groups, grace=1.0)
+        # SIGTERM ends the obedient one; SIGKILL, after the grace, the other
+        assert child.wait(timeout=10) == (-signal.SIGKILL if killed else -signal.SIGTERM)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for g in groups:
+            g.rmdir()
