@@ -16,9 +16,10 @@ Rules (docs/supervisor.md):
 - A rank that failed, or started again since the replica was last ready, takes every
   rank down with it (Ray placement groups, torch process groups): every node restarts
   its own shard, with backoff and a budget (grouprestart).
-- When the rank that hosts the rendezvous (rank 0) is stopped, a rank that had joined it
-  is a broken half (a headless vLLM rank outlives its rank 0 indefinitely): it restarts
-  too, to wait for the rendezvous again, under the same backoff and budget.
+- When the rank that hosts the rendezvous (rank 0) is stopped, a rank whose engine
+  started before that is a broken half (a headless vLLM rank outlives its rank 0
+  indefinitely): it restarts once, to wait for a new rank 0, under the same backoff and
+  budget. An engine started after rank 0 was seen stopped is already waiting.
 - With a generation check, the serving rank is ready only while a one-token completion
   for its current start succeeded recently, too: /health alone stays 200 when a peer died.
 """
@@ -73,6 +74,7 @@ class Memory:
     candidate: tuple[tuple[int, str], ...] | None = None  # generations settling into one
     candidate_since: float | None = None
     served: str | None = None  # generation in which our serving rank answered its probe
+    leader_stopped_since: float | None = None  # when rank 0 was first seen stopped
 
 
 @dataclass(frozen=True)
@@ -213,19 +215,29 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
     health = replica_health(reports, len(policy.nodes))
     gens = tuple(sorted(generations.items()))
     verdict = Verdict(memory, health, tuple(reports), gens)
-    return _group_restart(policy, verdict, now, joined=_joined(local))
+    return _group_restart(policy, verdict, now, engine_since=_engine_since(local))
 
 
-def _joined(local: LocalEvidence | None) -> bool:
-    """Whether this node's engine runs (past its wait for the rendezvous)."""
-    return local is not None and bool(local.members) and \
-        local.members[-1].active_state == "active"
+def _engine_since(local: LocalEvidence | None) -> float | None:
+    """Since when this node's engine runs (monotonic seconds), or None if it does not."""
+    if local is None or not local.members or local.members[-1].active_state != "active":
+        return None
+    return local.members[-1].active_enter_usec / 1e6
 
 
 def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
-                   joined: bool = False) -> Verdict:
+                   engine_since: float | None = None) -> Verdict:
     memory, health, reports = verdict.memory, verdict.health, verdict.ranks
     generations = dict(verdict.generations)
+    # rank 0 stopped (its own node says so): an engine here that started before is a
+    # broken half that joined the rank 0 that is gone
+    leader_stopped = (policy.follows_leader and policy.rank > 0
+                      and reports[0].state == STOPPED)
+    stopped_since = (memory.leader_stopped_since if memory.leader_stopped_since is not None
+                     else now) if leader_stopped else None
+    memory = replace(memory, leader_stopped_since=stopped_since)
+    leader_gone = (stopped_since is not None and engine_since is not None
+                   and engine_since < stopped_since)
     if health.state == STOPPED:
         return replace(verdict, memory=replace(
             memory, failing_since=None, baseline=None, candidate=None, candidate_since=None))
@@ -238,9 +250,6 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
     failed = [r.rank for r in reports if r.state == FAILED]
     if restarted and not failed and len(restarted) == len(policy.nodes):
         restarted = []  # every rank started afresh (or the only one did): nothing stale
-    # rank 0 stopped (its own node says so) while this rank's engine runs: a broken half
-    leader_gone = (policy.follows_leader and policy.rank > 0 and joined
-                   and reports[0].state == STOPPED)
     if not restarted and not failed and not leader_gone:
         if health.state == READY:
             memory = replace(memory, failing_since=None)
@@ -254,8 +263,8 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
     died = "; ".join([*(f"rank {k} on {policy.nodes[k]} restarted" for k in restarted),
                       *(f"rank {r.rank} on {r.node} failed: {r.reason}" for r in reports
                         if r.state == FAILED),
-                      *([f"rank 0 on {policy.nodes[0]} stopped; this rank must wait for "
-                         "its rendezvous again"] if leader_gone else [])])
+                      *([f"rank 0 on {policy.nodes[0]} stopped; this rank must start "
+                         "again to wait for a new one"] if leader_gone else [])])
     since = memory.failing_since if memory.failing_since is not None else now
     memory = replace(memory, failing_since=since)
     decision = decide(policy.group_restart, memory.restarts, since, now)

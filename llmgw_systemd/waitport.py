@@ -98,6 +98,9 @@ def _seconds(text: str) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    # First of all: a stop may come at any moment (a SIGTERM during the interpreter's own
+    # start-up, a few tens of ms, still kills it; docs/engines.md).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parser = argparse.ArgumentParser(
         prog=PROG, description="Wait until every HOST:PORT accepts TCP connections "
         "(or, with --free, until nothing listens there).")
@@ -105,12 +108,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="address to wait for; IPv6 as [ADDR]:PORT")
     parser.add_argument("--timeout", type=_seconds, default=300.0,
                         help="give up after this many seconds (default 300)")
-    parser.add_argument("--interval", type=_seconds, default=1.0,
-                        help="seconds between tries (default 1)")
+    # a try is one connect(): cheap, and every second of polling delays a whole shard
+    parser.add_argument("--interval", type=_seconds, default=0.25,
+                        help="seconds between tries (default 0.25)")
     parser.add_argument("--free", action="store_true",
                         help="wait until the ports can be bound (nobody listens) instead")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     endpoints = []
     try:
         for text in args.addresses:

@@ -176,3 +176,22 @@ def test_starts_without_click_jinja2_or_yaml() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_sigterm_ends_the_wait_cleanly() -> None:
+    """systemd stops a unit waiting in ExecStartPre= with SIGTERM; a start step killed
+    by a signal would leave the stopped unit failed, so SIGTERM ends it with 0."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nobody listens once closed
+    proc = subprocess.Popen([WAIT_FOR_PORT, "--timeout", "60", f"127.0.0.1:{port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(1)  # past the interpreter's start-up, into the wait
+        assert proc.poll() is None, "it should still be waiting"
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -4,7 +4,7 @@ own systemd and supervisor (docs/engines.md).
 
 A completion; SIGKILL of every process of rank 1: the supervisors never call the replica ready while
 completions fail, and bring the whole group back; a stop of rank 0 alone: rank 1 does
-not linger as a broken half but goes back to waiting for its rendezvous, and the group
+not linger as a broken half but starts again to wait for a new rank 0, and the group
 forms again when rank 0 returns; a stop leaves nothing behind. A stop in the middle of
 start-up (rank 0 waiting for its peer) ends inactive, not failed."""
 
@@ -48,6 +48,7 @@ replicas:
     port: {http}
     rendezvous_port: {master}
     distributed_timeout: 60
+    stop_timeout: 15
     env: {env_yaml()}
     args: {ENGINE_ARGS}
     restart: {{delay: 2, burst: 10, interval: 900}}
@@ -113,12 +114,13 @@ def test_mp_two_nodes_group_comes_back_and_no_broken_half(
             time.sleep(3)
         assert_truthful(said.seen, answers.seen, killed)
 
-        # rank 0 stopped alone: rank 1 goes back to waiting, it does not linger joined
+        # rank 0 stopped alone: rank 1 starts again to wait for a new rank 0; the half
+        # that joined the old one does not linger
         joined = main_pid(worker)
         leader.systemctl("stop", TARGET)
-        wait_until(lambda: worker.state_of(ENGINE) == ("activating", "start-pre"), 60,
-                   "rank 1 to wait for its rendezvous again")
-        assert joined not in manager_pids(worker), "the old rank 1 lingers"
+        wait_until(lambda: main_pid(worker) not in (0, joined), 60,
+                   "rank 1 to start again")
+        wait_until(lambda: joined not in manager_pids(worker), 30, "the old rank 1 to go")
         sups[1].wait_state("tiny", "degraded", 10)
 
         # rank 0 back: the group forms again, without anyone's hand on rank 1
@@ -138,14 +140,15 @@ def test_mp_two_nodes_group_comes_back_and_no_broken_half(
 
 def test_mp_stop_during_start_up(
         mp_replica: tuple[UserManager, UserManager, str, int, Path]) -> None:
-    """Rank 0 alone waits for its peer (exit 1 on SIGTERM then); rank 1 alone waits for
-    the master port. Both stops end inactive, not failed, and leave nothing."""
+    """Rank 0 alone waits for its peer, blocked where it ignores SIGTERM; rank 1 alone
+    retries the master port. Both stops end inactive, not failed, and leave nothing."""
     leader, worker, _, master, _ = mp_replica
     leader.systemctl("start", TARGET)
     leader.wait_state(ENGINE, "active", 30)
-    time.sleep(15)  # inside the wait for rank 1 (its distributed timeout is 60 s)
+    time.sleep(12)  # inside the wait for rank 1 (its distributed timeout is 60 s)
     leader.systemctl("stop", TARGET)
     worker.systemctl("start", TARGET)
-    worker.wait_state(ENGINE, "activating", 30, sub="start-pre")
+    worker.wait_state(ENGINE, "active", 30)
+    time.sleep(12)  # inside its retries of the master port
     worker.systemctl("stop", TARGET)
     assert_stopped((leader, worker), master)
