@@ -131,7 +131,8 @@ class Bare:
 
 
 def run_case(name: str, mode: str, nodes: int, work: Path,
-             fault: Callable[[list[UserManager]], None]) -> dict[str, float]:
+             fault: Callable[[list[UserManager]], None], bare_first: bool
+             ) -> dict[str, float]:
     tag = f"{os.getpid() % 10000}{len(name)}"
     managers: list[UserManager] = []
     network = make_network(tag, 2) if nodes == 2 else []
@@ -148,6 +149,7 @@ def run_case(name: str, mode: str, nodes: int, work: Path,
             m.render(spec_file, f"node-{'ab'[i]}")
         leader = managers[0]
         base = f"http://{'127.0.0.1' if nodes == 1 else '192.0.2.1'}:{http}"
+        bare_ttfc = run_bare(tag, name, managers, base, rendezvous, work) if bare_first else 0.0
         started = time.monotonic()
         for m in reversed(managers):  # worker first: it waits for the leader
             m.systemctl("start", "llmgw-tiny.target")
@@ -162,25 +164,33 @@ def run_case(name: str, mode: str, nodes: int, work: Path,
         recovery = first_completion(leader, base, fault_at)
         for m in managers:
             m.systemctl("stop", "llmgw-tiny.target")
-        bare = Bare(tag)
-        try:
-            started = time.monotonic()
-            sidecars = [f for f in os.listdir(leader.unit_dir) if f.endswith(
-                "ray-head.service")]
-            for unit in sidecars:  # the head first, waited for as the units wait
-                bare.start(leader, unit, work / name / "bare.log")
-                wait_port(leader, "127.0.0.1" if nodes == 1 else "192.0.2.1", rendezvous)
-            for m in reversed(managers):
-                bare.start(m, "llmgw-tiny-engine.service", work / name / "bare.log")
-            bare_ttfc = first_completion(leader, base, started)
-        finally:
-            bare.stop()
+        if not bare_first:
+            bare_ttfc = run_bare(tag, name, managers, base, rendezvous, work)
         return {"units": units_ttfc, "bare": bare_ttfc, "recovery": recovery}
     finally:
         for m in managers:
             m.stop()
         if network:
             remove_network(tag)
+
+
+def run_bare(tag: str, name: str, managers: list[UserManager], base: str, rendezvous: int,
+             work: Path) -> float:
+    """The rendered command lines by hand: the Ray head first, waited for as the units
+    wait for it, then every rank's engine, workers first."""
+    leader = managers[0]
+    bare = Bare(tag)
+    try:
+        started = time.monotonic()
+        sidecars = [f for f in os.listdir(leader.unit_dir) if f.endswith("ray-head.service")]
+        for unit in sidecars:
+            bare.start(leader, unit, work / name / "bare.log")
+            wait_port(leader, "127.0.0.1" if len(managers) == 1 else "192.0.2.1", rendezvous)
+        for m in reversed(managers):
+            bare.start(m, "llmgw-tiny-engine.service", work / name / "bare.log")
+        return first_completion(leader, base, started)
+    finally:
+        bare.stop()
 
 
 def wait_port(manager: UserManager, host: str, port: int) -> None:
@@ -223,16 +233,19 @@ CASES = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="single,ray,mp")
+    parser.add_argument("--bare-first", action="store_true",
+                        help="start the bare commands before the units (order bias check)")
     args = parser.parse_args()
     assert_engines()
     if os.geteuid() != 0:
         raise SystemExit("needs root (private systemd managers, network namespaces)")
-    print(f"vLLM {VLLM_VERSION} (CPU build), {os.cpu_count()} cores; restart delay {DELAY} s")
+    print(f"vLLM {VLLM_VERSION} (CPU build), {os.cpu_count()} cores; restart delay {DELAY} s; "
+          f"{'bare' if args.bare_first else 'units'} first")
     results = {}
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-engines-") as tmp:
         for name in args.only.split(","):
             mode, nodes, fault, what = CASES[name]
-            r = run_case(name, mode, nodes, Path(tmp), fault)
+            r = run_case(name, mode, nodes, Path(tmp), fault, args.bare_first)
             results[name] = r
             print(f"{name:7} ({mode}, {nodes} node{'s' * (nodes > 1)}): first completion "
                   f"units {r['units']:.1f} s, bare {r['bare']:.1f} s, overhead "
