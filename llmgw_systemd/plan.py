@@ -74,6 +74,7 @@ class ServiceUnit:
     notify_status: bool  # a start step reports STATUS= to systemd
     hardening: bool
     on_failure: str  # the shard's restart unit
+    is_engine: bool  # the last member, whose exit is the shard's
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             notify_status=bool(pre),
             hardening=not manager.user,
             on_failure=restarter,
+            is_engine=is_engine,
         ))
     role = "leader" if rank == 0 else "worker"
     http = f", serves HTTP on port {replica.port}" if serves else ""

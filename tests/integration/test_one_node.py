@@ -132,8 +132,12 @@ def test_restart_budget_ends_a_crash_loop(one_node: UserManager, tmp_path: Path)
                                ("active", "failed") for u in (ENGINE, HEAD)) and
                    one_node.show(ENGINE, "ActiveState")["ActiveState"] != "activating",
                    30, "the shard to come back or give up")
-    # burst=3 allows three starts of each unit: the first and two restarts.
-    assert kills == 3
+    # burst=3 allows three starts of each unit: the first and two restarts, so at most
+    # three deaths. A death can cost two starts: the engine's stop, propagated back from
+    # its sidecar, counts as clean, so its OnSuccess= restart unit starts the target
+    # after the delay too, and with deaths as quick as these that can land between the
+    # next death and its own restart (docs/engines.md). Never more than burst starts.
+    assert 2 <= kills <= 3, kills
     failed = {u: s for u, s in state.items() if s["ActiveState"] == "failed"}
     assert [s["Result"] for s in failed.values()] == ["start-limit-hit"], state
     status = one_node.systemctl("status", *failed, check=False).stdout
