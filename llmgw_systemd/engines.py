@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .endpoint import Endpoint
-from .spec import Replica
+from .spec import Replica, flag_value
 
 # ray start --block exits 1 when systemd stops it with SIGTERM (docs/engines.md);
 # counting 1 as clean keeps a plain `systemctl stop` from leaving the unit failed.
@@ -88,13 +88,7 @@ def shard_steps(replica: Replica, rank: int) -> tuple[Step, ...]:
 
 def served_model_name(replica: Replica) -> str:
     """The name completions must ask for: the first --served-model-name, else the model."""
-    args = replica.args
-    for i, arg in enumerate(args):
-        if arg == "--served-model-name" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--served-model-name="):
-            return arg.split("=", 1)[1]
-    return replica.model or ""
+    return flag_value(replica.args, "--served-model-name") or replica.model or ""
 
 
 def _bin(replica: Replica, name: str) -> str:

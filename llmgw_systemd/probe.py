@@ -16,14 +16,21 @@ def probe_address(bind_host: str) -> str:
     return WILDCARDS.get(bind_host, bind_host)
 
 
-def http_probe(host: str, port: int, path: str, timeout: float) -> Probe:
-    """GET path; ok only on HTTP 200 within timeout (a hung server is not healthy)."""
+BODY_MAX = 65536  # bytes of an answer read; more is not a health answer
+
+
+def _request(host: str, port: int, method: str, path: str, timeout: float,
+             body: bytes | None = None) -> tuple[int, bytes, float] | Probe:
+    """One request within timeout: (status, body, milliseconds), or why it failed."""
     started = time.monotonic()
+    headers = {"User-Agent": "llmgw-supervisor"}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("GET", path, headers={"User-Agent": "llmgw-supervisor"})
+        conn.request(method, path, body=body, headers=headers)
         response = conn.getresponse()
-        response.read(65536)
+        raw = response.read(BODY_MAX + 1)
     except TimeoutError:
         return Probe(False, f"no answer within {timeout:g} s")
     except OSError as exc:
@@ -32,42 +39,35 @@ def http_probe(host: str, port: int, path: str, timeout: float) -> Probe:
         return Probe(False, f"bad HTTP answer: {type(exc).__name__}")
     finally:
         conn.close()
-    took = (time.monotonic() - started) * 1000
-    if response.status != 200:
-        return Probe(False, f"HTTP {response.status} in {took:.0f} ms")
+    return response.status, raw, (time.monotonic() - started) * 1000
+
+
+def http_probe(host: str, port: int, path: str, timeout: float) -> Probe:
+    """GET path; ok only on HTTP 200 within timeout (a hung server is not healthy)."""
+    answer = _request(host, port, "GET", path, timeout)
+    if isinstance(answer, Probe):
+        return answer
+    status, _, took = answer
+    if status != 200:
+        return Probe(False, f"HTTP {status} in {took:.0f} ms")
     return Probe(True, f"HTTP 200 in {took:.0f} ms")
-
-
-COMPLETION_BODY_MAX = 65536
 
 
 def completion_probe(host: str, port: int, model: str, timeout: float) -> Probe:
     """POST a one-token completion; ok only on HTTP 200 with a choice within timeout
     (the whole request: a server that accepts and then stalls is not generating)."""
-    started = time.monotonic()
     body = json.dumps({"model": model, "prompt": "ping", "max_tokens": 1,
                        "temperature": 0}).encode()
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("POST", "/v1/completions", body=body, headers={
-            "User-Agent": "llmgw-supervisor", "Content-Type": "application/json"})
-        response = conn.getresponse()
-        raw = response.read(COMPLETION_BODY_MAX + 1)
-    except TimeoutError:
+    answer = _request(host, port, "POST", "/v1/completions", timeout, body)
+    if isinstance(answer, Probe):
+        return answer
+    status, raw, took = answer
+    if took > timeout * 1000:
         return Probe(False, f"no answer within {timeout:g} s")
-    except OSError as exc:
-        return Probe(False, exc.strerror or str(exc) or type(exc).__name__)
-    except http.client.HTTPException as exc:
-        return Probe(False, f"bad HTTP answer: {type(exc).__name__}")
-    finally:
-        conn.close()
-    took = (time.monotonic() - started) * 1000
-    if time.monotonic() - started > timeout:
-        return Probe(False, f"no answer within {timeout:g} s")
-    if response.status != 200:
-        return Probe(False, f"HTTP {response.status} in {took:.0f} ms")
+    if status != 200:
+        return Probe(False, f"HTTP {status} in {took:.0f} ms")
     try:
-        choices = json.loads(raw)["choices"] if len(raw) <= COMPLETION_BODY_MAX else None
+        choices = json.loads(raw)["choices"] if len(raw) <= BODY_MAX else None
     except (ValueError, TypeError, KeyError):
         choices = None
     if not isinstance(choices, list) or not choices:

