@@ -107,6 +107,7 @@ class ShardPlan:
     node: str
     source: str
     serves_http: bool
+    enable: bool  # the spec's enable: started at boot
     target: TargetUnit
     services: tuple[ServiceUnit, ...]
     restart: RestartUnit
@@ -194,7 +195,7 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
     http = f", serves HTTP on port {replica.port}" if serves else ""
     return ShardPlan(
         replica=replica.name, rank=rank, ranks=n, node=node.name, source=replica.source,
-        serves_http=serves,
+        serves_http=serves, enable=replica.enable,
         target=TargetUnit(
             name=target,
             description=f"llmgw replica {replica.name}: {place} ({role}{http})",

@@ -45,18 +45,25 @@ def default_environment() -> jinja2.Environment:
     return make_environment()
 
 
-def header(plan: ShardPlan, unit: str) -> str:
+# Line 2 of every unit: who wrote it. The generator's units are otherwise byte for byte
+# what llmgw-render writes for the same specs (tests/test_generator.py holds it to that).
+BY_RENDER = "# Written by llmgw-render; do not edit: it rewrites or removes this file."
+BY_GENERATOR = ("# Written by llmgw-systemd-generator at every daemon-reload; edit the spec, "
+                "not this file.")
+
+
+def header(plan: ShardPlan, unit: str, written_by: str = BY_RENDER) -> str:
     return "\n".join((
         MARKER,
-        "# Written by llmgw-render; do not edit: it rewrites or removes this file.",
+        written_by,
         f"# Local changes go in a drop-in: systemctl edit {unit}",
         f"# Source: {unitsyntax.comment(plan.source)}, replica {plan.replica}, node "
         f"{plan.node}, rank {plan.rank} of {plan.ranks}",
     ))
 
 
-def render_shards(plans: Iterable[ShardPlan], env: jinja2.Environment | None = None
-                  ) -> dict[str, str]:
+def render_shards(plans: Iterable[ShardPlan], env: jinja2.Environment | None = None,
+                  written_by: str = BY_RENDER) -> dict[str, str]:
     """{unit file name: text} for every unit of the given shards."""
     env = env or default_environment()
     service = env.get_template("service.j2")
@@ -65,11 +72,11 @@ def render_shards(plans: Iterable[ShardPlan], env: jinja2.Environment | None = N
     out: dict[str, str] = {}
     for plan in plans:
         out[plan.target.name] = target.render(unit=plan.target,
-                                              header=header(plan, plan.target.name))
+                                              header=header(plan, plan.target.name, written_by))
         for unit in plan.services:
-            out[unit.name] = service.render(unit=unit, header=header(plan, unit.name))
+            out[unit.name] = service.render(unit=unit, header=header(plan, unit.name, written_by))
         out[plan.restart.name] = restart.render(unit=plan.restart,
-                                                header=header(plan, plan.restart.name))
+                                                header=header(plan, plan.restart.name, written_by))
     return out
 
 

@@ -132,6 +132,9 @@ class Replica:
     group_restart: GroupRestartPolicy
     ranks: tuple[tuple[Command, ...], ...]
     source: str
+    # Start at boot: the generator links the target into multi-user.target (or
+    # default.target); llmgw-render --apply enables and starts it.
+    enable: bool = False
 
     @property
     def uses_rendezvous(self) -> bool:
@@ -161,6 +164,7 @@ class Spec:
 COMMON_KEYS = (
     "name", "engine", "nodes", "port", "rendezvous_timeout", "port_release_timeout", "gpus",
     "env", "environment_file", "user", "restart", "health", "group_restart", "stop_timeout",
+    "enable",
 )
 ENGINE_KEYS = {
     "vllm": ("launch_mode", "model", "tensor_parallel_size", "pipeline_parallel_size",
@@ -225,6 +229,11 @@ class _Checker:
                             f"got {_kind(value)}")
         if not lo <= value <= hi:
             raise self.fail(path, f"expected {what} from {lo} to {hi}; got {value}")
+        return value
+
+    def boolean(self, value: Any, path: KeyPath, what: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(path, f"expected {what} (true or false); got {_kind(value)}")
         return value
 
     def port(self, value: Any, path: KeyPath) -> int:
@@ -301,24 +310,59 @@ def _kind(value: Any) -> str:
 
 
 def build_spec(documents: Sequence[Document]) -> Spec:
-    replicas: list[Replica] = []
-    locations: dict[str, tuple[Document, KeyPath]] = {}
+    """Every replica of every document, or the first error (in document order)."""
+    placed = _read_documents(documents)
+    found = conflicts(placed)
+    if found:
+        raise found[0].later
+    return Spec(tuple(p.replica for p in placed))
+
+
+def collect_spec(documents: Sequence[Document | SpecError]) -> tuple[Spec, tuple[SpecError, ...]]:
+    """Each file on its own, for readers that must not stop for one bad file (the
+    generator, the supervisor): a file with an error loses its replicas and reports its
+    first error; two files that conflict both lose theirs, with an error at each naming
+    both places. The other files' replicas are kept. A file that could not be read or
+    parsed comes in as its SpecError."""
+    errors: dict[str, list[SpecError]] = {}
+    good: list[list[Placed]] = []
+    for doc in documents:
+        if isinstance(doc, SpecError):
+            errors.setdefault(doc.file, []).append(doc)
+            continue
+        try:
+            placed = _read_documents([doc])
+            found = conflicts(placed)
+            if found:
+                raise found[0].later
+        except SpecError as exc:
+            errors.setdefault(doc.file, []).append(exc)
+            continue
+        good.append(placed)
+    for conflict in conflicts([p for placed in good for p in placed]):
+        for error in (conflict.later, conflict.earlier):
+            errors.setdefault(error.file, []).append(error)
+    replicas = tuple(p.replica for placed in good for p in placed
+                     if p.doc.file not in errors)
+    ordered = tuple(e for doc in documents for e in errors.pop(doc.file, []))
+    return Spec(replicas), ordered
+
+
+def _read_documents(documents: Sequence[Document]) -> list[Placed]:
+    placed: list[Placed] = []
+    names: set[str] = set()
     for doc in documents:
         check = _Checker(doc)
         top = check.mapping(doc.data, (), ("replicas",), ("replicas",))
         items = check.sequence(top["replicas"], ("replicas",), "replicas")
         for index, item in enumerate(items):
             path: KeyPath = ("replicas", index)
-            replica = _replica(check, item, path)
-            if replica.name in locations:
-                other_doc, other_path = locations[replica.name]
-                raise check.fail((*path, "name"), f"replica name '{replica.name}' is already "
-                                 f"used at {_where(other_doc, (*other_path, 'name'))}")
-            locations[replica.name] = (doc, path)
-            replicas.append(replica)
-    _check_node_addresses(replicas, locations)
-    _check_port_claims(replicas, locations)
-    return Spec(tuple(replicas))
+            entry = Placed(_replica(check, item, path), doc, path)
+            placed.append(entry)
+            if entry.replica.name in names:  # reported here, before later files' errors
+                raise _name_conflicts(placed)[0].later
+            names.add(entry.replica.name)
+    return placed
 
 
 def _where(doc: Document, path: KeyPath) -> str:
@@ -470,6 +514,8 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
         ray_token_file=ray_token_file, distributed_timeout=distributed_timeout,
         stop_timeout=stop_timeout, user=user, health=health, group_restart=group_restart,
         virtualenv=virtualenv, restart=restart, ranks=ranks, source=check.doc.file,
+        enable=check.optional(data, "enable", path, lambda v, p: check.boolean(
+            v, p, "whether the replica starts at boot"), False),
     )
 
 
@@ -698,18 +744,69 @@ def _generation(check: _Checker, raw: Any, path: KeyPath) -> GenerationCheck | N
     )
 
 
-def _check_node_addresses(replicas: list[Replica],
-                          locations: dict[str, tuple[Document, KeyPath]]) -> None:
-    seen: dict[str, tuple[str, Replica]] = {}  # node name -> (address, first replica)
-    for replica in replicas:
-        for rank, node in enumerate(replica.nodes):
-            if node.name in seen and seen[node.name][0] != node.address:
-                address, other = seen[node.name]
-                doc, path = locations[replica.name]
-                raise doc.error((*path, "nodes", rank, "address"),
-                                f"node '{node.name}' has address '{address}' in replica "
-                                f"'{other.name}' but '{node.address}' here")
-            seen.setdefault(node.name, (node.address, replica))
+@dataclass(frozen=True)
+class Conflict:
+    """Two places in the specs that cannot both hold (a replica name used twice, a node
+    with two addresses, a port claimed twice): an error at each, naming the other."""
+
+    later: SpecError
+    earlier: SpecError
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A replica with the document and key path it was read from."""
+
+    replica: Replica
+    doc: Document
+    path: KeyPath
+
+
+def conflicts(placed: Sequence[Placed]) -> list[Conflict]:
+    """Every conflict among the replicas, in document order: names, then node addresses,
+    then ports (the order build_spec reports them in)."""
+    return [*_name_conflicts(placed), *_address_conflicts(placed), *_port_conflicts(placed)]
+
+
+def _name_conflicts(placed: Sequence[Placed]) -> list[Conflict]:
+    out: list[Conflict] = []
+    first: dict[str, Placed] = {}
+    for entry in placed:
+        name = entry.replica.name
+        if name not in first:
+            first[name] = entry
+            continue
+        other = first[name]
+        here, there = (*entry.path, "name"), (*other.path, "name")
+        out.append(Conflict(
+            later=entry.doc.error(here, f"replica name '{name}' is already used at "
+                                  f"{_where(other.doc, there)}"),
+            earlier=other.doc.error(there, f"replica name '{name}' is also used at "
+                                    f"{_where(entry.doc, here)}")))
+    return out
+
+
+def _address_conflicts(placed: Sequence[Placed]) -> list[Conflict]:
+    out: list[Conflict] = []
+    seen: dict[str, tuple[str, Placed, int]] = {}  # node name -> (address, first use, rank)
+    for entry in placed:
+        for rank, node in enumerate(entry.replica.nodes):
+            if node.name not in seen:
+                seen[node.name] = (node.address, entry, rank)
+                continue
+            address, other, other_rank = seen[node.name]
+            if address == node.address:
+                continue
+            here = (*entry.path, "nodes", rank, "address")
+            there = (*other.path, "nodes", other_rank, "address")
+            out.append(Conflict(
+                later=entry.doc.error(here, f"node '{node.name}' has address '{address}' in "
+                                      f"replica '{other.replica.name}' at "
+                                      f"{_where(other.doc, there)} but '{node.address}' here"),
+                earlier=other.doc.error(there, f"node '{node.name}' has address "
+                                        f"'{node.address}' in replica '{entry.replica.name}' "
+                                        f"at {_where(entry.doc, here)} but '{address}' here")))
+    return out
 
 
 def port_claims(replica: Replica) -> list[tuple[str, int, KeyPath, str]]:
@@ -731,20 +828,33 @@ def port_claims(replica: Replica) -> list[tuple[str, int, KeyPath, str]]:
     return claims
 
 
-def _check_port_claims(replicas: list[Replica],
-                       locations: dict[str, tuple[Document, KeyPath]]) -> None:
-    claimed: dict[tuple[str, int], tuple[Replica, KeyPath, str]] = {}
-    for replica in replicas:
-        doc, base = locations[replica.name]
-        for node, port, rel, what in port_claims(replica):
+def _port_conflicts(placed: Sequence[Placed]) -> list[Conflict]:
+    out: list[Conflict] = []
+    claimed: dict[tuple[str, int], tuple[Placed, KeyPath, str]] = {}
+    for entry in placed:
+        for node, port, rel, what in port_claims(entry.replica):
             key = (node, port)
-            if key in claimed:
-                other, other_rel, other_what = claimed[key]
-                other_doc, other_base = locations[other.name]
-                owner = ("this replica" if other is replica else f"replica '{other.name}'")
-                default = ("" if doc.has((*base, *rel)) else
-                           f" ({rel[-1]} defaults to {port} for this engine; set it)")
-                raise doc.error((*base, *rel), f"port {port} on node '{node}' is already "
-                                f"claimed by {owner} as its {other_what} port at "
-                                f"{_where(other_doc, (*other_base, *other_rel))}{default}")
-            claimed[key] = (replica, rel, what)
+            if key not in claimed:
+                claimed[key] = (entry, rel, what)
+                continue
+            other, other_rel, other_what = claimed[key]
+            here, there = (*entry.path, *rel), (*other.path, *other_rel)
+            same = other is entry
+            out.append(Conflict(
+                later=entry.doc.error(here, f"port {port} on node '{node}' is already claimed "
+                                      f"by {'this replica' if same else repr_replica(other)} "
+                                      f"as its {other_what} port at {_where(other.doc, there)}"
+                                      f"{_default_note(entry.doc, here, port)}"),
+                earlier=other.doc.error(there, f"port {port} on node '{node}' is also claimed "
+                                        f"by {'this replica' if same else repr_replica(entry)} "
+                                        f"as its {what} port at {_where(entry.doc, here)}"
+                                        f"{_default_note(other.doc, there, port)}")))
+    return out
+
+
+def repr_replica(entry: Placed) -> str:
+    return f"replica '{entry.replica.name}'"
+
+
+def _default_note(doc: Document, path: KeyPath, port: int) -> str:
+    return "" if doc.has(path) else f" ({path[-1]} defaults to {port} for this engine; set it)"
