@@ -270,7 +270,7 @@ def emit(messages: tuple[g.Message, ...], scope: str, env: Mapping[str, str]) ->
         else:
             try:
                 for line in lines:  # one write per record
-                    os.write(fd, line.encode("utf-8", "replace"))
+                    os.write(fd, f"{line}\n".encode("utf-8", "replace"))
             except OSError:
                 pass
             finally:

@@ -8,3 +8,4 @@ BIN_DIR = Path(sys.executable).parent
 RENDER = str(BIN_DIR / "llmgw-render")
 WAIT_FOR_PORT = str(BIN_DIR / "llmgw-wait-for-port")
 STOP_GROUP = str(BIN_DIR / "llmgw-stop-group")
+GENERATOR = str(BIN_DIR / "llmgw-systemd-generator")
