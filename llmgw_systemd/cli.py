@@ -13,7 +13,7 @@ import click
 from . import __version__
 from .errors import BadInput, LlmgwError, UsageError
 from .install import CREATE, KEEP, REMOVE, UPDATE, Survey, apply, survey, unified_diff
-from .plan import Manager, plan_node
+from .plan import Manager, ShardPlan, plan_node
 from .render import render_shards
 from .sources import read_documents
 from .spec import build_spec
@@ -61,27 +61,46 @@ def _fail(prog: str, exc: LlmgwError) -> NoReturn:
               help=f"Unit directory [default: {SYSTEM_UNIT_DIR}, or the user unit directory "
                    "with --user].")
 @click.option("--dry-run", is_flag=True,
-              help="Print what would be created, changed and removed; write nothing.")
+              help="Print what would be created, changed and removed (and, with --apply, "
+                   "restarted, started and stopped); change nothing.")
 @click.option("--user", "user_manager", is_flag=True,
               help="Render for a per-user manager (systemctl --user), as tests do.")
 @click.option("--allow-empty", is_flag=True,
               help="Accept a node that has no shard (its old units are then removed).")
+@click.option("--apply", "apply_", is_flag=True,
+              help="Then make systemd follow: stop removed replicas before their files go, "
+                   "daemon-reload, restart running replicas whose units changed, start new "
+                   "ones that are enabled; leave the rest alone.")
+@click.option("--start", "start_new", is_flag=True,
+              help="With --apply: start new replicas even when their spec does not say "
+                   "enable: true.")
 @click.option("--version", is_flag=True, is_eager=True, expose_value=False,
               callback=lambda ctx, _param, value: _print_version(ctx, value),
               help="Show the version and exit.")
 def render_command(specs: tuple[str, ...], node: str | None, output: str | None,
-                   dry_run: bool, user_manager: bool, allow_empty: bool) -> None:
+                   dry_run: bool, user_manager: bool, allow_empty: bool, apply_: bool,
+                   start_new: bool) -> None:
     """Render replica SPEC files (or folders of *.yaml) into systemd units for one node."""
     try:
+        if start_new and not apply_:
+            raise UsageError("--start", "starts new replicas as part of --apply; add --apply")
         node_name = node if node is not None else os.uname().nodename  # = gethostname()
         if not node_name:
             raise UsageError("--node", "this machine has no host name; pass --node NAME")
         directory = output or (_default_user_dir() if user_manager else SYSTEM_UNIT_DIR)
         spec = build_spec(read_documents(specs))
         manager = Manager(user=user_manager, wait_for_port=_find_helper())
-        rendered = render_shards(plan_node(spec, node_name, manager, allow_empty=allow_empty))
+        plans = plan_node(spec, node_name, manager, allow_empty=allow_empty)
+        rendered = render_shards(plans)
+        if apply_:
+            _check_apply_target(directory, user_manager)
+            _render_and_apply(directory, rendered, plans, user_manager, dry_run=dry_run,
+                              start_new=start_new, generator_too=output is None)
+            return
         result = survey(directory, rendered)
-        for note in result.notes:
+        notes = (*result.notes, *(_generator_notes(rendered, user_manager)
+                                  if output is None else ()))
+        for note in notes:
             click.echo(f"note: {note}", err=True)
         if dry_run:
             click.echo(unified_diff(result.changes, directory), nl=False)
@@ -94,9 +113,85 @@ def render_command(specs: tuple[str, ...], node: str | None, output: str | None,
         click.echo("\n".join([*lines, _summary(result, directory, would=False)]))
         if result.dirty:
             flag = " --user" if user_manager else ""
-            click.echo(f"next: systemctl{flag} daemon-reload")
+            click.echo(f"next: systemctl{flag} daemon-reload, then restart what changed "
+                       f"(or run again with --apply)")
     except LlmgwError as exc:
         _fail("llmgw-render", exc)
+
+
+def _check_apply_target(directory: str, user_manager: bool) -> None:
+    """--apply writes where the manager reads units, or it would restart the old ones."""
+    from .systemctl import unit_path
+
+    searched = unit_path(user_manager)
+    if os.path.realpath(directory) not in {os.path.realpath(p) for p in searched}:
+        raise UsageError("--output", f"--apply needs a folder the "
+                         f"{'user' if user_manager else 'system'} manager reads units from; "
+                         f"'{directory}' is not one of {', '.join(searched)}")
+
+
+def _render_and_apply(directory: str, rendered: dict[str, str], plans: tuple[ShardPlan, ...],
+                      user_manager: bool, *, dry_run: bool, start_new: bool,
+                      generator_too: bool) -> None:
+    """Write and make systemd follow, as rollout.decide says, under the directory's
+    lock so two applies never interleave. Stops at the first failing step."""
+    from .install import apply_locked, locked
+    from .rollout import decide, group_files
+    from .systemctl import systemctl, unit_states
+
+    with locked(directory):
+        result = survey(directory, rendered)
+        for note in (*result.notes, *(_generator_notes(rendered, user_manager)
+                                      if generator_too else ())):
+            click.echo(f"note: {note}", err=True)
+        groups = group_files([(c.name, c.action, c.old) for c in result.changes], plans)
+        states = unit_states(user_manager, [u for g in groups for u in g.existing])
+        rollout = decide(groups, states, files_dirty=result.dirty, start_new=start_new)
+        if dry_run:
+            click.echo(unified_diff(result.changes, directory), nl=False)
+            click.echo("\n".join(o.line(dry_run=True) for o in rollout.outcomes))
+            return
+        done: list[str] = []
+        for step in rollout.steps:
+            try:
+                if step.verb == "write":
+                    apply_locked(directory, result.changes)
+                else:
+                    systemctl(user_manager, step.verb,
+                              *(("--", *step.units) if step.units else ()))
+            except LlmgwError as exc:
+                already = f" (done before it: {'; '.join(done)})" if done else ""
+                raise LlmgwError(f"{exc}{already}; nothing after it was done") from None
+            done.append(" ".join((step.verb, *step.units)) if step.verb != "write"
+                        else f"wrote {directory}")
+    click.echo("\n".join(o.line(dry_run=False) for o in rollout.outcomes))
+
+
+def _generator_notes(rendered: dict[str, str], user_manager: bool) -> list[str]:
+    """Replicas the generator also makes units for: ours take precedence (systemd's
+    search order), and the generator skips them from the next daemon-reload on."""
+    from .render import is_generated
+
+    if user_manager:
+        runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+        if not runtime.startswith("/"):
+            return []
+        folder = os.path.join(runtime, "systemd", "generator")
+    else:
+        folder = "/run/systemd/generator"
+    notes = []
+    for name in sorted(n for n in rendered if n.endswith(".target")):
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                head = f.read(4096)
+        except OSError:
+            continue
+        if is_generated(head):
+            notes.append(f"{name} is also made by llmgw-systemd-generator from its spec "
+                         f"folder; the units written here take precedence, and the generator "
+                         "skips this replica from the next daemon-reload on. Keep each "
+                         "replica in one place (docs/generator.md).")
+    return notes
 
 
 def _summary(result: Survey, directory: str, *, would: bool) -> str:

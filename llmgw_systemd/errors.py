@@ -40,3 +40,7 @@ class UnsafeValue(BadInput):
 
 class InstallError(LlmgwError):
     """Writing or pruning the unit directory failed."""
+
+
+class SystemctlError(LlmgwError):
+    """A systemctl step of llmgw-render --apply failed; nothing after it was done."""

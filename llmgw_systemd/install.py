@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import InstallError
@@ -98,19 +98,32 @@ def _read(path: str, limit: int = -1) -> str:
 
 def apply(directory: str, changes: Sequence[Change]) -> None:
     """Carry out the survey's changes: all the writes land, or none does."""
-    writes = [c for c in changes if c.action in (CREATE, UPDATE)]
-    removals = [c for c in changes if c.action == REMOVE]
-    if not writes and not removals:
+    if not any(c.action != KEEP for c in changes):
         return
+    with locked(directory):
+        apply_locked(directory, changes)
+
+
+@contextlib.contextmanager
+def locked(directory: str) -> Iterator[None]:
+    """The directory, created if need be and locked: a second llmgw-render on it waits."""
     try:
         os.makedirs(directory, mode=0o755, exist_ok=True)
     except OSError as exc:
         raise InstallError(f"cannot create {directory}: {exc.strerror}") from None
-    lock = _lock(directory)  # a second llmgw-render on this directory waits here
+    lock = _lock(directory)
     try:
-        _apply_locked(directory, writes, removals)
+        yield
     finally:
         os.close(lock)
+
+
+def apply_locked(directory: str, changes: Sequence[Change]) -> None:
+    """apply(), inside locked(directory)."""
+    writes = [c for c in changes if c.action in (CREATE, UPDATE)]
+    removals = [c for c in changes if c.action == REMOVE]
+    if writes or removals:
+        _apply_locked(directory, writes, removals)
 
 
 def _lock(directory: str) -> int:

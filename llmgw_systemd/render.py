@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Iterable
 
 import jinja2
@@ -78,6 +79,25 @@ def render_shards(plans: Iterable[ShardPlan], env: jinja2.Environment | None = N
         out[plan.restart.name] = restart.render(unit=plan.restart,
                                                 header=header(plan, plan.restart.name, written_by))
     return out
+
+
+_SOURCE_RE = re.compile(r"# Source: .*, replica ([a-z0-9-]+), node [^ ,]+, rank [0-9]+ of "
+                        r"[0-9]+\Z")
+
+
+def replica_of(text: str) -> str | None:
+    """The replica a unit we wrote belongs to, from its header's Source line (the last
+    ', replica NAME, node' wins: the spec's path before it may hold anything)."""
+    for line in text.splitlines()[:MARKER_LINES]:
+        match = _SOURCE_RE.match(line)
+        if match:
+            return match.group(1)
+    return None
+
+
+def is_generated(head: str) -> bool:
+    """Whether a unit file's first lines say the generator wrote it."""
+    return is_ours(head) and BY_GENERATOR in head.splitlines()[:MARKER_LINES]
 
 
 def is_ours(head: str) -> bool:

@@ -162,6 +162,7 @@ class UserManager:
     name: str  # also its cgroup name
     state: Path
     netns: Netns | None = None
+    generator: str | None = None  # linked into the manager's /run/systemd/user-generators
     pid: int = 0
     _process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
@@ -172,6 +173,20 @@ class UserManager:
     @property
     def unit_dir(self) -> Path:
         return self.state / "config" / "systemd" / "user"
+
+    @property
+    def generated_dir(self) -> Path:
+        """Where the manager's generators write (their normal directory)."""
+        return self.runtime / "systemd" / "generator"
+
+    @property
+    def specs_dir(self) -> Path:
+        """The user generator's spec folder: $XDG_CONFIG_HOME/llmgw/replicas.d."""
+        return self.state / "config" / "llmgw" / "replicas.d"
+
+    def log_text(self) -> str:
+        """The manager's own output (generators' stderr included)."""
+        return (self.state / "manager.log").read_text(errors="replace")
 
     @property
     def log_dir(self) -> Path:
@@ -196,7 +211,10 @@ class UserManager:
         if self.netns is not None:
             argv = ["nsenter", f"--net=/run/netns/{self.netns.name}", *argv]
         log = (self.state / "manager.log").open("wb")
-        self._process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+        env = {k: v for k, v in os.environ.items() if k != "LLMGW_TEST_USER_GENERATOR"}
+        if self.generator is not None:
+            env["LLMGW_TEST_USER_GENERATOR"] = self.generator
+        self._process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         self.pid = self._process.pid  # unshare execs the script, which execs systemd
         try:
@@ -233,6 +251,17 @@ class UserManager:
         if check and proc.returncode != 0:
             raise AssertionError(f"systemctl --user {' '.join(args)} failed "
                                  f"({proc.returncode}): {proc.stderr.strip()}")
+        return proc
+
+    def apply(self, spec: Path, node: str, *extra: str, check: bool = True
+              ) -> subprocess.CompletedProcess[str]:
+        """llmgw-render --user --apply into this manager's unit folder (its default)."""
+        proc = subprocess.run([RENDER, "--user", "--apply", "--node", node, *extra,
+                               str(spec)], capture_output=True, text=True, timeout=180,
+                              check=False, stdin=subprocess.DEVNULL, env=self.env)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"llmgw-render --apply failed ({proc.returncode}): "
+                                 f"{proc.stderr}")
         return proc
 
     def render(self, spec: Path, node: str, *extra: str) -> str:

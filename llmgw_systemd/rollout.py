@@ -1,0 +1,235 @@
+"""What `llmgw-render --apply` does to the running system, decided from the file changes
+and the units' state (pure; docs/generator.md, "Applying a change").
+
+Order matters, and is always the same:
+
+1. stop what loses its unit file: every unit of a removed replica, and the members a
+   changed replica drops, so no process ever runs without its unit file; a removed
+   replica also frees its GPUs before anything new starts;
+2. disable removed replicas (their .wants links would dangle);
+3. write the files, then daemon-reload;
+4. enable replicas whose spec says enable: true;
+5. restart the targets of changed replicas that run (PartOf= carries the restart to
+   every member), start new ones that are enabled or asked for (--start).
+
+An unchanged replica is left alone, unless systemd still holds an older version of its
+units (NeedDaemonReload): then the files changed under it and it counts as changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .plan import ShardPlan
+from .render import replica_of
+
+# A replica runs when its target or one of its members is in one of these states.
+RUNNING_STATES = frozenset({"active", "activating", "reloading"})
+# Members still up (even on their way down) when their file is about to go.
+UP_STATES = RUNNING_STATES | {"deactivating"}
+ENABLED_STATES = frozenset({"enabled", "enabled-runtime"})
+CHANGED_NAMES_SHOWN = 3
+
+
+@dataclass(frozen=True)
+class ReplicaFiles:
+    """One replica's unit files on this node: what writing them changes."""
+
+    name: str
+    target: str
+    created: tuple[str, ...] = ()
+    updated: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
+    enable: bool = False  # the spec's enable: (a removed replica has none)
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        return (*self.created, *self.updated, *self.removed, *self.kept)
+
+    @property
+    def existing(self) -> tuple[str, ...]:
+        """The units systemd may know already (their files are on disk now)."""
+        return (*self.updated, *self.removed, *self.kept)
+
+    @property
+    def is_new(self) -> bool:
+        return not self.existing
+
+    @property
+    def is_removed(self) -> bool:
+        return not (self.created or self.updated or self.kept)
+
+    @property
+    def changed(self) -> tuple[str, ...]:
+        return (*self.created, *self.updated, *self.removed)
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """What systemd says of one unit (systemctl show)."""
+
+    active: str = "inactive"  # ActiveState
+    masked: bool = False  # LoadState=masked: the admin's veto
+    need_reload: bool = False  # NeedDaemonReload: its file changed since systemd read it
+    file_state: str = ""  # UnitFileState: enabled, disabled, ... ("" when not found)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One systemctl call (or the writing of the files)."""
+
+    verb: str  # stop, reset-failed, disable, write, daemon-reload, enable, restart, start
+    units: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One replica's line: what was done to it (done) or would be (planned)."""
+
+    replica: str
+    done: str
+    planned: str
+    detail: str = ""
+
+    def line(self, *, dry_run: bool) -> str:
+        verb = self.planned if dry_run else self.done
+        return f"replica {self.replica}: {verb}{f' ({self.detail})' if self.detail else ''}"
+
+
+@dataclass(frozen=True)
+class Rollout:
+    steps: tuple[Step, ...]
+    outcomes: tuple[Outcome, ...]
+
+
+NOTHING = ("nothing to do", "nothing to do")
+
+
+def group_files(files: Sequence[tuple[str, str, str | None]], plans: Sequence[ShardPlan]
+                ) -> list[ReplicaFiles]:
+    """Per replica, its files' fates. files: (unit file name, action, old text) from the
+    survey, action one of create, update, remove, keep. A file about to be removed
+    belongs to the replica its header names; one whose header is unreadable counts as a
+    replica of its own name, so it is still stopped before it goes."""
+    owner = {name: plan.replica for plan in plans
+             for name in (plan.target.name, plan.restart.name,
+                          *(u.name for u in plan.services))}
+    targets = {plan.replica: (plan.target.name, plan.enable) for plan in plans}
+    by_replica: dict[str, dict[str, list[str]]] = {}
+    for name, action, old in files:
+        replica = owner.get(name) or (replica_of(old) if old is not None else None) or name
+        by_replica.setdefault(replica, {}).setdefault(action, []).append(name)
+    out = []
+    for replica, actions in sorted(by_replica.items()):
+        target, enable = targets.get(replica, (f"llmgw-{replica}.target", False))
+        if target not in (*actions.get("remove", ()), *actions.get("keep", ()),
+                          *actions.get("update", ()), *actions.get("create", ())):
+            target = next(iter(sorted(n for a in actions.values() for n in a)))
+        out.append(ReplicaFiles(
+            name=replica, target=target, enable=enable,
+            created=tuple(sorted(actions.get("create", ()))),
+            updated=tuple(sorted(actions.get("update", ()))),
+            removed=tuple(sorted(actions.get("remove", ()))),
+            kept=tuple(sorted(actions.get("keep", ())))))
+    return out
+
+
+def decide(replicas: Sequence[ReplicaFiles], states: Mapping[str, UnitState], *,
+           files_dirty: bool, start_new: bool) -> Rollout:
+    """The steps and per-replica lines for one apply. states: every existing unit's
+    state (a unit missing from it counts as inactive and unknown to systemd)."""
+    def state(unit: str) -> UnitState:
+        return states.get(unit, UnitState())
+
+    stops: list[str] = []
+    resets: list[str] = []
+    disables: list[str] = []
+    enables: list[str] = []
+    restarts: list[str] = []
+    starts: list[str] = []
+    outcomes: list[Outcome] = []
+    stale_any = False
+    for replica in replicas:
+        running = (state(replica.target).active in RUNNING_STATES
+                   or any(state(u).active in RUNNING_STATES for u in replica.existing
+                          if u != replica.target))
+        stale = any(state(u).need_reload for u in replica.existing)
+        stale_any = stale_any or stale
+        if replica.is_removed:
+            up = [u for u in replica.removed if state(u).active in UP_STATES]
+            stops.extend(_target_first(replica.target, up))
+            # a failed unit would linger as "not-found failed" once its file is gone
+            resets.extend(u for u in replica.removed if state(u).active == "failed")
+            if state(replica.target).file_state in ENABLED_STATES:
+                disables.append(replica.target)
+            count = f"{len(replica.removed)} unit files removed"
+            outcomes.append(Outcome(replica.name, "stopped", "would stop", count) if up else
+                            Outcome(replica.name, "removed", "would remove",
+                                    f"was not running; {count}"))
+            continue
+        stops.extend(u for u in replica.removed if state(u).active in UP_STATES)
+        resets.extend(u for u in replica.removed if state(u).active == "failed")
+        if state(replica.target).masked:
+            outcomes.append(Outcome(replica.name, "left alone", "would leave alone",
+                                    f"{replica.target} is masked"))
+            continue
+        enabling = replica.enable and state(replica.target).file_state not in ENABLED_STATES
+        if enabling:
+            enables.append(replica.target)
+        also = " and enabled" if enabling else ""
+        also_planned = " and enable" if enabling else ""
+        if replica.is_new:
+            if replica.enable or start_new:
+                starts.append(replica.target)
+                outcomes.append(Outcome(replica.name, f"started{also}",
+                                        f"would start{also_planned}", "new"))
+            else:
+                outcomes.append(Outcome(
+                    replica.name, "installed", "would install",
+                    f"new; not started, as enable is false: pass --start, or systemctl "
+                    f"start {replica.target}"))
+            continue
+        if not replica.changed and not stale:
+            outcomes.append(Outcome(replica.name, *(
+                ("enabled", "would enable") if enabling else NOTHING)))
+            continue
+        detail = _changed_detail(replica) if replica.changed else (
+            "its files changed since systemd last read them")
+        if running:
+            restarts.append(replica.target)
+            outcomes.append(Outcome(replica.name, f"restarted{also}",
+                                    f"would restart{also_planned}", detail))
+        else:
+            outcomes.append(Outcome(replica.name, f"updated{also}",
+                                    f"would update{also_planned}",
+                                    f"{detail}; not running, so left stopped"))
+    steps = [Step("stop", tuple(stops))] if stops else []
+    if resets:
+        steps.append(Step("reset-failed", tuple(resets)))
+    if disables:
+        steps.append(Step("disable", tuple(disables)))
+    if files_dirty:
+        steps.append(Step("write"))
+    if files_dirty or stale_any:
+        steps.append(Step("daemon-reload"))
+    if enables:
+        steps.append(Step("enable", tuple(enables)))
+    steps.extend(Step("restart", (t,)) for t in restarts)
+    steps.extend(Step("start", (t,)) for t in starts)
+    return Rollout(tuple(steps), tuple(outcomes))
+
+
+def _target_first(target: str, units: list[str]) -> list[str]:
+    # One stop job for the target carries PartOf= to the members; naming them too
+    # stops a member that runs on its own, outside the target.
+    return sorted(units, key=lambda u: u != target)
+
+
+def _changed_detail(replica: ReplicaFiles) -> str:
+    names = sorted(replica.changed)
+    shown = ", ".join(names[:CHANGED_NAMES_SHOWN])
+    more = f" and {len(names) - CHANGED_NAMES_SHOWN} more" if len(
+        names) > CHANGED_NAMES_SHOWN else ""
+    return f"changed: {shown}{more}"

@@ -1,0 +1,166 @@
+"""llmgw-render --apply under a real systemd user manager: a changed replica restarts and
+no other does; a removed one is stopped, every process gone, before its files go."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import snapshot
+from installed import RENDER
+from specs import PYTHON, free_port, write, yaml_list
+from systemd_harness import UserManager, pid_alive, wait_until
+
+pytestmark = pytest.mark.integration
+
+# A sidecar that forks a child, so "every process gone" covers more than main PIDs.
+FORKS = [PYTHON, "-c", "import subprocess, time; subprocess.Popen(['/usr/bin/sleep', "
+         "'infinity']); time.sleep(1e9)"]
+
+
+def replica(name: str, port: int, *extra: str) -> str:
+    serve = [PYTHON, "-m", "http.server", str(port), "--bind", "127.0.0.1", *extra]
+    return f"""\
+  - name: {name}
+    engine: command
+    port: {port}
+    enable: true
+    restart: {{delay: 1, burst: 5, interval: 120}}
+    nodes: [{{name: node, address: 127.0.0.1}}]
+    ranks:
+      - commands:
+          - name: helper
+            argv: {yaml_list(FORKS)}
+          - argv: {yaml_list(serve)}
+"""
+
+
+def engine_pid(manager: UserManager, name: str) -> int:
+    info = manager.wait_state(f"llmgw-{name}-engine.service", "active", 30)
+    return int(info["MainPID"])
+
+
+def pids_of(manager: UserManager, name: str) -> set[int]:
+    return {pid for unit in (f"llmgw-{name}-helper.service", f"llmgw-{name}-engine.service")
+            for pid in manager.unit_pids(unit)}
+
+
+def test_apply_restarts_only_what_changed_and_stops_what_left(one_node: UserManager,
+                                                              tmp_path: Path) -> None:
+    a, b = free_port(), free_port()
+    spec = tmp_path / "spec.yaml"
+    write(spec, "replicas:\n" + replica("a", a) + replica("b", b))
+    first = one_node.apply(spec, "node")
+    assert first.stdout.splitlines() == ["replica a: started and enabled (new)",
+                                         "replica b: started and enabled (new)"]
+    a_pid, b_pid = engine_pid(one_node, "a"), engine_pid(one_node, "b")
+    wants = one_node.unit_dir / "default.target.wants"
+    assert sorted(p.name for p in wants.iterdir()) == ["llmgw-a.target", "llmgw-b.target"]
+
+    # nothing changed: nothing restarted, and it says so
+    again = one_node.apply(spec, "node")
+    assert again.stdout.splitlines() == ["replica a: nothing to do", "replica b: nothing to do"]
+    assert (engine_pid(one_node, "a"), engine_pid(one_node, "b")) == (a_pid, b_pid)
+
+    # a changed argv restarts that replica only
+    write(spec, "replicas:\n" + replica("a", a, "--directory", "/tmp") + replica("b", b))
+    changed = one_node.apply(spec, "node")
+    assert changed.stdout.splitlines() == [
+        "replica a: restarted (changed: llmgw-a-engine.service)", "replica b: nothing to do"]
+    wait_until(lambda: engine_pid(one_node, "a") != a_pid, 30, "a's engine to restart")
+    assert "--directory /tmp" in one_node.show("llmgw-a-engine.service", "ExecStart")[
+        "ExecStart"]
+    assert not pid_alive(a_pid)
+    assert engine_pid(one_node, "b") == b_pid
+
+    # b leaves the spec: --dry-run says what would happen and changes nothing
+    write(spec, "replicas:\n" + replica("a", a, "--directory", "/tmp"))
+    before = snapshot(one_node.unit_dir)
+    dry = one_node.apply(spec, "node", "--dry-run")
+    assert dry.stdout.splitlines()[-2:] == ["replica a: nothing to do",
+                                            "replica b: would stop (4 unit files removed)"]
+    assert snapshot(one_node.unit_dir) == before
+    assert engine_pid(one_node, "b") == b_pid
+
+    # then for real: every process of b gone, then its files and its .wants link
+    b_pids = pids_of(one_node, "b")
+    assert len(b_pids) == 3  # helper, its child, the engine
+    gone = one_node.apply(spec, "node")
+    assert gone.stdout.splitlines() == ["replica a: nothing to do",
+                                        "replica b: stopped (4 unit files removed)"]
+    assert not [pid for pid in b_pids if pid_alive(pid)]
+    assert sorted(p.name for p in one_node.unit_dir.glob("llmgw-b*")) == []
+    assert sorted(p.name for p in wants.iterdir()) == ["llmgw-a.target"]
+    assert one_node.show("llmgw-b-engine.service", "LoadState")["LoadState"] == "not-found"
+    assert engine_pid(one_node, "a") != a_pid  # still the restarted one, still running
+
+
+def test_a_new_replica_that_is_not_enabled_waits_for_start(one_node: UserManager,
+                                                            tmp_path: Path) -> None:
+    port = free_port()
+    spec = write(tmp_path / "spec.yaml",
+                 "replicas:\n" + replica("c", port).replace("enable: true", "enable: false"))
+    proc = one_node.apply(spec, "node")
+    assert proc.stdout.splitlines() == [
+        "replica c: installed (new; not started, as enable is false: pass --start, or "
+        "systemctl start llmgw-c.target)"]
+    assert one_node.state_of("llmgw-c.target")[0] == "inactive"
+    # a changed replica that is not running is updated and left stopped
+    write(spec, "replicas:\n" + replica("c", port, "--directory", "/tmp").replace(
+        "enable: true", "enable: false"))
+    proc = one_node.apply(spec, "node", "--start")
+    assert proc.stdout.splitlines() == [
+        "replica c: updated (changed: llmgw-c-engine.service; not running, so left stopped)"]
+    assert one_node.state_of("llmgw-c-engine.service")[0] == "inactive"
+
+
+def test_units_written_without_a_reload_count_as_changed(one_node: UserManager,
+                                                         tmp_path: Path) -> None:
+    """llmgw-render without --apply wrote new units; systemd still runs the old ones."""
+    port = free_port()
+    spec = write(tmp_path / "spec.yaml", "replicas:\n" + replica("d", port))
+    one_node.apply(spec, "node")
+    pid = engine_pid(one_node, "d")
+    write(spec, "replicas:\n" + replica("d", port, "--directory", "/tmp"))
+    one_node.render(spec, "node")  # writes and reloads: systemd now knows the new file ...
+    proc = one_node.apply(spec, "node")
+    # ... so nothing is stale any more, and the running process is the old one: the
+    # documented limit of reading NeedDaemonReload (docs/generator.md)
+    assert proc.stdout.splitlines() == ["replica d: nothing to do"]
+    assert engine_pid(one_node, "d") == pid
+
+    write(spec, "replicas:\n" + replica("d", port, "--directory", "/var"))
+    subprocess.run([RENDER, "--user", "--node", "node", str(spec)], check=True,
+                   capture_output=True, env=one_node.env, timeout=60)  # no reload this time
+    proc = one_node.apply(spec, "node")
+    assert proc.stdout.splitlines() == [
+        "replica d: restarted (its files changed since systemd last read them)"]
+    wait_until(lambda: engine_pid(one_node, "d") != pid, 30, "d to restart")
+
+
+def test_a_failing_systemctl_exits_1_and_changes_nothing(one_node: UserManager,
+                                                         tmp_path: Path) -> None:
+    spec = write(tmp_path / "spec.yaml", "replicas:\n" + replica("e", free_port()))
+    before = snapshot(one_node.unit_dir)
+    env = {**one_node.env, "XDG_RUNTIME_DIR": str(tmp_path / "nowhere"),
+           "DBUS_SESSION_BUS_ADDRESS": f"unix:path={tmp_path}/nowhere/bus"}
+    proc = subprocess.run([RENDER, "--user", "--apply", "--node", "node", str(spec)],
+                          capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("llmgw-render: error: systemctl --user show "), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+    assert snapshot(one_node.unit_dir) == before
+
+
+def test_apply_refuses_a_folder_the_manager_does_not_read(one_node: UserManager,
+                                                          tmp_path: Path) -> None:
+    spec = write(tmp_path / "spec.yaml", "replicas:\n" + replica("f", free_port()))
+    out = tmp_path / "elsewhere"
+    proc = one_node.apply(spec, "node", "--output", str(out), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"llmgw-render: error: --output: --apply needs a folder "
+                                  f"the user manager reads units from; '{out}' is not one of ")
+    assert not out.exists()
+    assert os.listdir(one_node.unit_dir) == ["llmgw-.service.d"]

@@ -1,0 +1,161 @@
+"""llmgw-render --apply's decisions, as tables: which units it stops, disables, enables,
+restarts and starts, in which order, and the line it prints per replica."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw_systemd.plan import Manager, plan_node
+from llmgw_systemd.rollout import ReplicaFiles, Step, UnitState, decide, group_files
+from llmgw_systemd.spec import build_spec
+from llmgw_systemd.systemctl import parse_show
+from llmgw_systemd.yamldoc import parse
+
+T, E, R = "llmgw-a.target", "llmgw-a-engine.service", "llmgw-a-restart.service"
+ALL = (E, R, T)
+ON = UnitState(active="active", file_state="enabled")
+ACTIVATING = UnitState(active="activating")
+OFF = UnitState()
+
+
+def files(kind: str, enable: bool = False) -> ReplicaFiles:
+    return {
+        "new": ReplicaFiles("a", T, created=ALL, enable=enable),
+        "changed": ReplicaFiles("a", T, updated=(E,), kept=(R, T), enable=enable),
+        "same": ReplicaFiles("a", T, kept=ALL, enable=enable),
+        "removed": ReplicaFiles("a", T, removed=ALL),
+        "drops-sidecar": ReplicaFiles("a", T, updated=(E, T), kept=(R,),
+                                      removed=("llmgw-a-head.service",), enable=enable),
+    }[kind]
+
+
+@pytest.mark.parametrize(("kind", "states", "start", "steps", "line"), [
+    # a changed replica that runs: written, reloaded, restarted through its target
+    ("changed", {T: ON, E: ON}, False,
+     [Step("write"), Step("daemon-reload"), Step("restart", (T,))],
+     "replica a: restarted (changed: llmgw-a-engine.service)"),
+    # activating counts as running (an engine waiting for its rendezvous)
+    ("changed", {T: OFF, E: ACTIVATING}, False,
+     [Step("write"), Step("daemon-reload"), Step("restart", (T,))],
+     "replica a: restarted (changed: llmgw-a-engine.service)"),
+    # stopped by its admin: updated, and left stopped
+    ("changed", {}, False, [Step("write"), Step("daemon-reload")],
+     "replica a: updated (changed: llmgw-a-engine.service; not running, so left stopped)"),
+    ("same", {T: ON, E: ON}, False, [], "replica a: nothing to do"),
+    # files written earlier without a reload: systemd runs an older version
+    ("same", {T: ON, E: UnitState(active="active", need_reload=True)}, False,
+     [Step("daemon-reload"), Step("restart", (T,))],
+     "replica a: restarted (its files changed since systemd last read them)"),
+    ("new", {}, False, [Step("write"), Step("daemon-reload")],
+     "replica a: installed (new; not started, as enable is false: pass --start, or "
+     "systemctl start llmgw-a.target)"),
+    ("new", {}, True, [Step("write"), Step("daemon-reload"), Step("start", (T,))],
+     "replica a: started (new)"),
+    # stopped before its files go, disabled so no .wants link dangles
+    ("removed", {T: ON, E: ON, R: OFF}, False,
+     [Step("stop", (T, E)), Step("disable", (T,)), Step("write"), Step("daemon-reload")],
+     "replica a: stopped (3 unit files removed)"),
+    ("removed", {E: UnitState(active="failed")}, False,
+     [Step("reset-failed", (E,)), Step("write"), Step("daemon-reload")],
+     "replica a: removed (was not running; 3 unit files removed)"),
+    # a restart pending in the restart unit is stopped too, or it would start the target
+    ("removed", {R: ACTIVATING}, False, [Step("stop", (R,)), Step("write"),
+                                         Step("daemon-reload")],
+     "replica a: stopped (3 unit files removed)"),
+    # the sidecar it no longer has is stopped before its file goes, then a restart
+    ("drops-sidecar", {T: ON, E: ON, "llmgw-a-head.service": ON}, False,
+     [Step("stop", ("llmgw-a-head.service",)), Step("write"), Step("daemon-reload"),
+      Step("restart", (T,))],
+     "replica a: restarted (changed: llmgw-a-engine.service, llmgw-a-head.service, "
+     "llmgw-a.target)"),
+    ("changed", {T: UnitState(masked=True)}, False, [Step("write"), Step("daemon-reload")],
+     "replica a: left alone (llmgw-a.target is masked)"),
+])
+def test_decide(kind: str, states: dict[str, UnitState], start: bool, steps: list[Step],
+                line: str) -> None:
+    replica = files(kind)
+    rollout = decide([replica], states, files_dirty=bool(replica.changed), start_new=start)
+    assert list(rollout.steps) == steps
+    assert [o.line(dry_run=False) for o in rollout.outcomes] == [line]
+
+
+@pytest.mark.parametrize(("kind", "states", "steps", "line"), [
+    ("new", {}, [Step("write"), Step("daemon-reload"), Step("enable", (T,)),
+                 Step("start", (T,))], "replica a: started and enabled (new)"),
+    ("same", {T: UnitState(active="active", file_state="disabled")},
+     [Step("enable", (T,))], "replica a: enabled"),
+    ("same", {T: ON}, [], "replica a: nothing to do"),
+    ("changed", {T: ON}, [Step("write"), Step("daemon-reload"), Step("restart", (T,))],
+     "replica a: restarted (changed: llmgw-a-engine.service)"),
+])
+def test_enable_true_enables_and_starts(kind: str, states: dict[str, UnitState],
+                                        steps: list[Step], line: str) -> None:
+    replica = files(kind, enable=True)
+    rollout = decide([replica], states, files_dirty=bool(replica.changed), start_new=False)
+    assert list(rollout.steps) == steps
+    assert [o.line(dry_run=False) for o in rollout.outcomes] == [line]
+
+
+def test_order_across_replicas_stops_first_and_starts_last() -> None:
+    gone = ReplicaFiles("old", "llmgw-old.target", removed=("llmgw-old.target",))
+    new = ReplicaFiles("new", "llmgw-new.target", created=("llmgw-new.target",), enable=True)
+    changed = ReplicaFiles("a", T, updated=(E,), kept=(R, T))
+    same = ReplicaFiles("b", "llmgw-b.target", kept=("llmgw-b.target",))
+    rollout = decide([changed, gone, new, same],
+                     {T: ON, "llmgw-old.target": ON, "llmgw-b.target": ON},
+                     files_dirty=True, start_new=False)
+    assert [s.verb for s in rollout.steps] == ["stop", "disable", "write", "daemon-reload",
+                                               "enable", "restart", "start"]
+    assert [o.line(dry_run=True) for o in rollout.outcomes] == [
+        "replica a: would restart (changed: llmgw-a-engine.service)",
+        "replica old: would stop (1 unit files removed)",
+        "replica new: would start and enable (new)",
+        "replica b: nothing to do"]
+
+
+SPEC = """\
+replicas:
+  - name: a
+    engine: command
+    port: 9000
+    nodes: [{name: n1, address: 127.0.0.1}]
+    ranks:
+      - commands:
+          - {name: head, argv: [/usr/bin/sleep, infinity]}
+          - argv: [/usr/bin/sleep, infinity]
+"""
+OLD_B = ("# llmgw-systemd: generated unit (marker v1)\n# Written by llmgw-render\n# Local\n"
+         "# Source: /odd, replica x, node y/spec.yaml, replica b, node n1, rank 0 of 1\n")
+
+
+def test_group_files_by_plan_and_by_the_header_of_removed_files() -> None:
+    plans = plan_node(build_spec([parse(SPEC.encode(), "s.yaml")]), "n1",
+                      Manager(user=True, wait_for_port="/w"))
+    groups = group_files([
+        ("llmgw-a.target", "keep", "..."), ("llmgw-a-head.service", "create", None),
+        ("llmgw-a-engine.service", "update", "..."), ("llmgw-a-restart.service", "keep", ""),
+        ("llmgw-b.target", "remove", OLD_B), ("llmgw-b-x-engine.service", "remove", OLD_B),
+        ("llmgw-c-engine.service", "remove", "no header"),
+    ], plans)
+    assert groups == [
+        ReplicaFiles("a", "llmgw-a.target", created=("llmgw-a-head.service",),
+                     updated=("llmgw-a-engine.service",),
+                     kept=("llmgw-a-restart.service", "llmgw-a.target")),
+        ReplicaFiles("b", "llmgw-b.target",
+                     removed=("llmgw-b-x-engine.service", "llmgw-b.target")),
+        ReplicaFiles("llmgw-c-engine.service", "llmgw-c-engine.service",
+                     removed=("llmgw-c-engine.service",)),
+    ]
+
+
+def test_parse_show() -> None:
+    text = ("Id=llmgw-a.target\nLoadState=loaded\nActiveState=active\nNeedDaemonReload=no\n"
+            "UnitFileState=enabled\n\nId=llmgw-b.target\nLoadState=masked\n"
+            "ActiveState=inactive\nNeedDaemonReload=yes\nUnitFileState=masked\n\n"
+            "Id=llmgw-c.target\nLoadState=not-found\nActiveState=inactive\n"
+            "NeedDaemonReload=no\nUnitFileState=\n")
+    assert parse_show(text) == {
+        "llmgw-a.target": UnitState("active", False, False, "enabled"),
+        "llmgw-b.target": UnitState("inactive", True, True, "masked"),
+        "llmgw-c.target": UnitState("inactive", False, False, ""),
+    }
