@@ -26,6 +26,18 @@ def spec_files(paths: Sequence[str]) -> list[str]:
     return files
 
 
+def read_each(paths: Sequence[str]) -> list[Document | SpecError]:
+    """Every spec file, each parsed on its own: a file that cannot be read or parsed
+    comes back as its error (spec.collect_spec's input)."""
+    out: list[Document | SpecError] = []
+    for file in spec_files(paths):
+        try:
+            out.extend(read_documents([file]))
+        except SpecError as exc:
+            out.append(exc)
+    return out
+
+
 def read_documents(paths: Sequence[str]) -> list[Document]:
     docs = []
     for file in spec_files(paths):

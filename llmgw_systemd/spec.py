@@ -348,6 +348,18 @@ def collect_spec(documents: Sequence[Document | SpecError]) -> tuple[Spec, tuple
     return Spec(replicas), ordered
 
 
+def keep_last_good(spec: Spec, errors: Sequence[SpecError], previous: Spec | None) -> Spec:
+    """collect_spec's result for a reader that already runs (the supervisor): a file that
+    turned bad keeps the replicas it had in the previous spec, so an edit with a typo
+    never makes a running replica vanish; a file that is gone takes its replicas along."""
+    if previous is None or not errors:
+        return spec
+    bad = {e.file for e in errors}
+    names = {r.name for r in spec.replicas}
+    kept = tuple(r for r in previous.replicas if r.source in bad and r.name not in names)
+    return Spec(spec.replicas + kept)
+
+
 def _read_documents(documents: Sequence[Document]) -> list[Placed]:
     placed: list[Placed] = []
     names: set[str] = set()

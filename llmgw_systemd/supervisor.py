@@ -28,7 +28,7 @@ from typing import Any
 
 from . import api
 from .engines import served_model_name
-from .errors import LlmgwError
+from .errors import LlmgwError, SpecError
 from .evidence import LocalEvidence, PeerEvidence, ProbeEvidence
 from .health import READY
 from .httpserve import Changes, HttpServer, Request, Response
@@ -39,12 +39,13 @@ from .ratelog import RateLimitedLog
 from .replicastate import Memory, ReplicaPolicy, Verdict, judge, refused
 from .sdnotify import notify, watchdog_interval
 from .shards import LocalShard, local_shards
-from .sources import read_documents, spec_files
-from .spec import Spec, build_spec
+from .sources import read_each, spec_files
+from .spec import Spec, collect_spec, keep_last_good
 from .statefile import StateError, load_restarts, save_restarts
 from .systemd_dbus import BusError, SystemdBus
 from .tlsconfig import TlsFiles, client_context, names_node, server_context
 from .unitstate import UnitState
+from .yamldoc import Document
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,21 @@ class Supervisor:
 
     # -- configuration ------------------------------------------------------------------
 
+    def _collect(self, documents: list[Document | SpecError]) -> Spec:
+        """The replicas the generator would make units for (spec.collect_spec), each
+        file's error logged once per change. A file that turns bad while we run keeps
+        its last good replicas: a typo in an edit must not make a running replica
+        vanish from its peers' view. With nothing good at start, the first error is
+        the supervisor's (exit 2)."""
+        spec, errors = collect_spec(documents)
+        if errors and not spec.replicas and self.spec is None:
+            raise errors[0]
+        for error in errors:
+            log(f"spec: {error} ("
+                f"{'keeping the last good configuration of' if self.spec else 'not watching'}"
+                " this file's replicas)")
+        return keep_last_good(spec, errors, self.spec)
+
     def load_spec(self) -> None:
         """(Re)read the specs when they changed; a bad spec keeps the last good one."""
         try:
@@ -225,7 +241,7 @@ class Supervisor:
             return
         self.spec_stamp, self.reload_requested = stamp, False
         try:
-            spec = build_spec(read_documents(self.config.specs))
+            spec = self._collect(read_each(self.config.specs))
             shards = local_shards(spec, self.config.node)
         except LlmgwError as exc:
             if self.spec is None:

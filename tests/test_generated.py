@@ -148,3 +148,18 @@ def test_collect_spec_keeps_an_unreadable_file_as_its_error() -> None:
     spec, found = collect_spec([unreadable, _doc("a", "x")])
     assert [r.name for r in spec.replicas] == ["x"]
     assert found == (unreadable,)
+
+
+def test_keep_last_good_carries_a_broken_files_replicas_over() -> None:
+    from llmgw_systemd.spec import keep_last_good
+
+    before, _ = collect_spec([_doc("a", "x", 1), _doc("b", "y", 2)])
+    broken = SpecError("b", 3, "replicas[0].port", "expected a TCP port")
+    now, errors = collect_spec([_doc("a", "x", 1), broken])
+    assert [r.name for r in keep_last_good(now, errors, before).replicas] == ["x", "y"]
+    assert keep_last_good(now, errors, None) == now  # at start: nothing to keep
+    gone, none = collect_spec([_doc("a", "x", 1)])  # b removed, not broken: y goes
+    assert [r.name for r in keep_last_good(gone, none, before).replicas] == ["x"]
+    # y moved to a good file c while b broke: the new one is watched, once
+    moved, errors = collect_spec([_doc("a", "x", 1), broken, _doc("c", "y", 2)])
+    assert [r.source for r in keep_last_good(moved, errors, before).replicas] == ["a", "c"]

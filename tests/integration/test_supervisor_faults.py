@@ -181,6 +181,26 @@ def test_a_broken_spec_keeps_the_last_good_one(supervised: LocalSupervisor) -> N
     assert supervised.get("/v1/replicas/shard") is None
 
 
+def test_a_bad_file_in_the_folder_costs_only_its_own_replicas(one_node: UserManager,
+                                                              tmp_path: Path) -> None:
+    """As the generator does: the other files' replicas are watched, the bad one named."""
+    folder = tmp_path / "replicas.d"
+    folder.mkdir()
+    spec = one_node_shard(folder / "a.yaml", name="shard", http=free_port(),
+                          head=free_port(), pid_file=tmp_path / "pids", delay=1)
+    spec.write_text(spec.read_text() + "    health: {interval: 1, timeout: 1, stability: 1}\n")
+    (folder / "b.yaml").write_text("replicas:\n  - name: other\n    engine: vllm\n")
+    one_node.render(spec, "node")
+    one_node.systemctl("start", TARGET)
+    sup = LocalSupervisor(one_node, folder, free_port())
+    try:
+        sup.wait("ready")
+        assert (f"spec: {folder / 'b.yaml'}:2: replicas[0]: missing required key 'nodes' "
+                "(not watching this file's replicas)") in sup.log.read_text()
+    finally:
+        sup.stop()
+
+
 def test_sighup_rereads_the_spec_and_keeps_running(supervised: LocalSupervisor) -> None:
     supervised.wait("ready")
     assert supervised.process is not None
