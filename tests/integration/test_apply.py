@@ -11,7 +11,7 @@ import pytest
 from helpers import snapshot
 from installed import RENDER
 from specs import PYTHON, free_port, write, yaml_list
-from systemd_harness import UserManager, pid_alive, wait_until
+from systemd_harness import UserManager, cgroup_pids, pid_alive, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -87,10 +87,13 @@ def test_apply_restarts_only_what_changed_and_stops_what_left(one_node: UserMana
     # then for real: every process of b gone, then its files and its .wants link
     b_pids = pids_of(one_node, "b")
     assert len(b_pids) == 3  # helper, its child, the engine
+    b_cgroups = [f"{one_node.name}/app.slice/llmgw-b-{m}.service" for m in ("helper", "engine")]
+    assert [len(cgroup_pids(c)) for c in b_cgroups] == [2, 1]
     gone = one_node.apply(spec, "node")
     assert gone.stdout.splitlines() == ["replica a: nothing to do",
                                         "replica b: stopped (4 unit files removed)"]
     assert not [pid for pid in b_pids if pid_alive(pid)]
+    assert [cgroup_pids(c) for c in b_cgroups] == [set(), set()]
     assert sorted(p.name for p in one_node.unit_dir.glob("llmgw-b*")) == []
     assert sorted(p.name for p in wants.iterdir()) == ["llmgw-a.target"]
     assert one_node.show("llmgw-b-engine.service", "LoadState")["LoadState"] == "not-found"
