@@ -40,6 +40,20 @@ def test_compiled_templates_match_their_sources() -> None:
             assert render.render_shards(plans, compiled) == render.render_shards(plans, source)
 
 
+def test_generator_is_the_launcher_over_the_console_script() -> None:
+    """scripts/setup installs llmgw-systemd-generator as the packages do: the launcher
+    (packaging/generator-launcher.in, Python -IS), not the wheel's console script, naming
+    this installation's package directory first, then only other package directories."""
+    from installed import BIN_DIR, GENERATOR
+    from test_packages import launcher_sitedirs
+
+    own = str(Path(llmgw_systemd.__file__).parents[1])  # as scripts/setup names it
+    sitedirs = launcher_sitedirs(Path(GENERATOR).read_text(encoding="utf-8"),
+                                 str(BIN_DIR / "python3"))
+    assert sitedirs[0] == own, sitedirs
+    assert all(d.endswith("-packages") for d in sitedirs) and own not in sitedirs[1:], sitedirs
+
+
 def test_supervisor_unit_passes_systemd_analyze(tmp_path: Path) -> None:
     from helpers import verify_units
 

@@ -3,6 +3,8 @@ what they depend on, their maintainer scripts, and lintian/rpmlint."""
 
 from __future__ import annotations
 
+import ast
+import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -19,7 +21,19 @@ DEB = ROOT / "dist" / f"llmgw-systemd_{VERSION}_all.deb"
 RPM = ROOT / "dist" / f"llmgw-systemd-{VERSION}-1.noarch.rpm"
 CLEAN_PATH = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 ENTRY_POINTS = ("llmgw-render", "llmgw-wait-for-port", "llmgw-stop-group", "llmgw-supervisor",
-                "llmgw-systemd")
+                "llmgw-systemd", "llmgw-systemd-generator")
+# The generator is packaging/generator-launcher.in (Python -IS, the package directories
+# named in it), not a console script; it stays beside llmgw-wait-for-port, which it finds
+# beside its real path, and the generator directories link to it.
+GENERATOR = "/usr/bin/llmgw-systemd-generator"
+LAUNCHER_SHEBANG = "#!/usr/bin/python3 -IS"
+# Debian 12's own generator directories (pkg-config systemd systemdsystemgeneratordir,
+# systemdusergeneratordir: where the systemd package puts its generators); Fedora and
+# RHEL spell both under /usr/lib (%{_systemdgeneratordir}, %{_systemdusergeneratordir}).
+DEB_GENERATOR_LINKS = ("/lib/systemd/system-generators/llmgw-systemd-generator",
+                       "/usr/lib/systemd/user-generators/llmgw-systemd-generator")
+RPM_GENERATOR_LINKS = ("/usr/lib/systemd/system-generators/llmgw-systemd-generator",
+                       "/usr/lib/systemd/user-generators/llmgw-systemd-generator")
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -37,10 +51,60 @@ def packages() -> Iterator[None]:
     yield
 
 
-def deb_files() -> list[str]:
+def deb_listing() -> dict[str, tuple[str, str | None]]:
+    """Path in the .deb -> its mode string and, for a symlink, its target."""
     listing = run("dpkg-deb", "-c", str(DEB))
     assert listing.returncode == 0, listing.stderr
-    return [line.split()[-1].lstrip(".") for line in listing.stdout.splitlines()]
+    entries: dict[str, tuple[str, str | None]] = {}
+    for line in listing.stdout.splitlines():
+        mode, _owner, _size, _date, _time, name = line.split(None, 5)
+        name, _, target = name.partition(" -> ")
+        entries[name.lstrip(".")] = (mode, target or None)
+    return entries
+
+
+def deb_files() -> list[str]:
+    return list(deb_listing())
+
+
+def link_target(link: str, target: str) -> str:
+    """Where a symlink in a package points, as an absolute path inside the package."""
+    return os.path.normpath(os.path.join(os.path.dirname(link), target))
+
+
+def launcher_sitedirs(text: str, python: str) -> list[str]:
+    """The package directories a generator launcher names, after checking that it is
+    packaging/generator-launcher.in with python in its shebang and nothing else changed."""
+    lines = text.splitlines()
+    assert lines and lines[0] == f"#!{python} -IS", lines[:1]
+    template = (ROOT / "packaging" / "generator-launcher.in").read_text().splitlines()
+    assert len(lines) == len(template), lines
+    sitedirs: list[str] = []
+    for line, want in zip(lines, template):  # the template, its placeholders filled in
+        if "@SITEDIRS@" in want:
+            before, after = want.split("@SITEDIRS@")
+            assert line.startswith(before) and line.endswith(after), line
+            sitedirs = ast.literal_eval(line[len(before):len(line) - len(after)])
+            assert isinstance(sitedirs, list) and sitedirs, line
+        else:
+            assert line == want.replace("@PYTHON@", python), line
+    return sitedirs
+
+
+def check_generator(root: Path, links: tuple[str, ...], sitedirs: list[str]) -> None:
+    """The generator as a package installs it under root: the launcher in /usr/bin with
+    its -IS shebang and the package directories named in it, and the generator
+    directories' links to it (checked by name: an absolute link would leave root)."""
+    launcher = root / GENERATOR.lstrip("/")
+    assert not launcher.is_symlink() and launcher.is_file()
+    assert os.access(launcher, os.X_OK)
+    text = launcher.read_text(encoding="utf-8")
+    assert text.splitlines()[0] == LAUNCHER_SHEBANG
+    assert launcher_sitedirs(text, "/usr/bin/python3") == sitedirs
+    for link in links:
+        path = root / link.lstrip("/")
+        assert path.is_symlink(), link
+        assert link_target(link, os.readlink(path)) == GENERATOR, (link, os.readlink(path))
 
 
 def test_deb_holds_what_it_should_and_nothing_from_the_build() -> None:
@@ -54,12 +118,25 @@ def test_deb_holds_what_it_should_and_nothing_from_the_build() -> None:
     for path in expected:
         assert path in files, path
     assert any("/llmgw_systemd/compiled_templates/tmpl_" in f for f in files)
-    modes = {line.split()[-1].lstrip("."): line.split()[0]
-             for line in run("dpkg-deb", "-c", str(DEB)).stdout.splitlines()}
-    assert modes["/etc/llmgw/tls/"] == "drwx------"  # the node's TLS key goes there
+    listing = deb_listing()
+    assert listing["/etc/llmgw/tls/"][0] == "drwx------"  # the node's TLS key goes there
+    assert listing[GENERATOR] == ("-rwxr-xr-x", None)
+    for link in DEB_GENERATOR_LINKS:
+        mode, target = listing[link]
+        assert mode.startswith("l") and target is not None, (link, mode)
+        assert link_target(link, target) == GENERATOR, (link, target)
     for path in files:
         assert not re.search(r"/(tests|bench|build|\.git|\.venv|debian)/|__pycache__|\.pyc$",
                              path), path
+
+
+def test_deb_generator_is_the_launcher_and_its_links(tmp_path: Path) -> None:
+    """No debhelper (dh_python3's shebang rewrite above all) has turned the launcher back
+    into an ordinary script or dropped -IS; Debian's python3-yaml, -jinja2 and
+    -markupsafe all live in the one directory it names."""
+    extracted = run("dpkg-deb", "-x", str(DEB), str(tmp_path))
+    assert extracted.returncode == 0, extracted.stderr
+    check_generator(tmp_path, DEB_GENERATOR_LINKS, ["/usr/lib/python3/dist-packages"])
 
 
 def test_deb_depends_on_distribution_packages() -> None:
@@ -88,14 +165,24 @@ def test_lintian_finds_no_errors() -> None:
     lint = run("lintian", "--no-tag-display-limit", str(DEB))
     errors = [line for line in lint.stdout.splitlines() if line.startswith("E:")]
     assert errors == [], lint.stdout
+    # and no warnings but these: no manual pages yet, and /etc/llmgw/tls 0700 on purpose
+    warnings = [line for line in lint.stdout.splitlines() if line.startswith("W:")
+                and " no-manual-page [usr/bin/llmgw-" not in line
+                and not line.endswith(" non-standard-dir-perm 0700 != 0755 [etc/llmgw/tls/]")]
+    assert warnings == [], lint.stdout
 
 
 def test_rpm_files_requirements_and_scripts(tmp_path: Path) -> None:
     files = run("rpm", "-qlp", str(RPM)).stdout.splitlines()
-    for path in (*(f"/usr/bin/{e}" for e in ENTRY_POINTS),
+    for path in (*(f"/usr/bin/{e}" for e in ENTRY_POINTS), *RPM_GENERATOR_LINKS,
                  "/usr/lib/systemd/system/llmgw-supervisor.service", "/etc/llmgw/replicas.d"):
         assert path in files, path
     assert any(f.endswith("/site-packages/llmgw_systemd/templates/service.j2") for f in files)
+    # the pure directory the package's own modules are in, then the arch one (RHEL's and
+    # Fedora's python3-pyyaml is arch-specific) of the same Python
+    sitelib = next(f for f in files if re.fullmatch(r"/usr/lib/python3\.\d+/site-packages/"
+                                                    r"llmgw_systemd", f)).rsplit("/", 1)[0]
+    sitedirs = [sitelib, sitelib.replace("/usr/lib/", "/usr/lib64/", 1)]
     listing = run("rpm", "-qlvp", str(RPM)).stdout.splitlines()
     assert any(line.startswith("drwx------") and line.endswith(" /etc/llmgw/tls")
                for line in listing), listing
@@ -117,6 +204,7 @@ def test_rpm_files_requirements_and_scripts(tmp_path: Path) -> None:
         assert (root / path.lstrip("/")).exists(), path
     script = (root / "usr/bin/llmgw-render").read_text()
     assert script.startswith("#!/usr/bin/python3\n") and "render_main" in script
+    check_generator(root, RPM_GENERATOR_LINKS, sitedirs)
 
 
 def test_rpmlint_finds_no_errors_but_the_filtered_ones() -> None:
