@@ -19,6 +19,12 @@ RAY_CLEAN_EXIT = (1,)
 # that is already gone; alone (mixed) it stops in 2 s, and systemd SIGKILLs what is
 # left (measured: docs/engines.md).
 RAY_KILL_MODE = "mixed"
+# A worker stopped while it still joins its head ignores SIGTERM (seen: a stop 8 s into
+# start-up on a loaded machine), and would end failed with Result=timeout, which starts
+# the restart unit. So Ray units stop through llmgw-stop-group --main-first too: SIGTERM
+# to `ray start` alone, SIGKILL to the group inside the stop if it is still there; SIGKILL
+# of the main process then counts as clean.
+RAY_CLEAN_SIGNALS = ("SIGKILL",)
 # On SIGTERM `ray start` first drains its node for up to 30 s (meant for Ray Serve's
 # proxies); a worker whose head is gone waits all of it, past the stop timeout. A vLLM
 # replica gains nothing from the drain: off, unless the spec's env sets it.
@@ -149,7 +155,8 @@ def _vllm_ray_steps(replica: Replica, rank: int) -> tuple[Step, ...]:
             name="engine", role=f"Ray worker joining {head}",
             argv=(_bin(replica, "ray"), "start", f"--address={head}", *ray_common),
             wait_for=(head,), env=(*ray_env, RAY_NO_DRAIN), clean_exit_statuses=RAY_CLEAN_EXIT,
-            credential_env=token, kill_mode=RAY_KILL_MODE,
+            credential_env=token, kill_mode=RAY_KILL_MODE, clean_exit_signals=RAY_CLEAN_SIGNALS,
+            stop_with_grace=True,
         ),)
     ray_head = Step(
         name="ray-head", role=f"Ray head on port {head.port}",
@@ -157,6 +164,7 @@ def _vllm_ray_steps(replica: Replica, rank: int) -> tuple[Step, ...]:
               *ray_common[:-1], *replica.ray_head_args, "--block"),
         frees=(Endpoint(_wildcard(address), head.port),), env=(*ray_env, RAY_NO_DRAIN),
         clean_exit_statuses=RAY_CLEAN_EXIT, credential_env=token, kill_mode=RAY_KILL_MODE,
+        clean_exit_signals=RAY_CLEAN_SIGNALS, stop_with_grace=True,
     )
     server = Step(
         name="engine", role="vLLM server on the Ray cluster",

@@ -184,8 +184,7 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             timeout_stop_sec=replica.stop_timeout,
             kill_mode=step.kill_mode,
             success_exit_status=(*step.clean_exit_statuses, *step.clean_exit_signals),
-            exec_stop=(manager.stop_group, "--grace", str(stop_grace(replica.stop_timeout)))
-            if step.stop_with_grace else None,
+            exec_stop=_exec_stop(manager, step, replica.stop_timeout),
             notify_status=bool(pre),
             hardening=not manager.user,
             on_failure=restarter,
@@ -209,6 +208,14 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             target=target, sleep_argv=(SLEEP, str(replica.restart.delay)),
         ),
     )
+
+
+def _exec_stop(manager: Manager, step: Step, stop_timeout: int) -> tuple[str, ...] | None:
+    if not step.stop_with_grace:
+        return None
+    # KillMode=mixed means "the main process first": llmgw-stop-group keeps that order
+    main_first = ("--main-first",) if step.kill_mode == "mixed" else ()
+    return (manager.stop_group, "--grace", str(stop_grace(stop_timeout)), *main_first)
 
 
 def stop_grace(stop_timeout: int) -> int:

@@ -1,5 +1,6 @@
-"""llmgw-stop-group: the ExecStop= of vLLM units. SIGTERM to every process of the unit's
-control group, then SIGKILL to whatever is left after a grace period.
+"""llmgw-stop-group: the ExecStop= of vLLM and Ray units. SIGTERM to every process of the
+unit's control group (or, with --main-first, to its main process only), then SIGKILL to
+whatever is left after a grace period.
 
 Why (docs/engines.md): a vLLM rank blocked in its rendezvous (rank 0 of mp waiting for
 its peers, inside torch's TCPStore) does not act on SIGTERM. Left to systemd, the SIGKILL
@@ -9,7 +10,13 @@ SIGKILL of the main process as a clean exit. It starts fast (standard library on
 systemd runs it on every stop. `systemctl stop` still waits for it, bounded by
 TimeoutStopSec=, which stays the backstop.
 
-    llmgw-stop-group --grace SECONDS
+    llmgw-stop-group --grace SECONDS [--main-first]
+
+--main-first is KillMode=mixed's order, for `ray start` units: the main process alone
+gets SIGTERM and stops its own children (a Ray head signalled together with its GCS
+takes 30 s longer); once it is gone, systemd's mixed SIGKILL ends the rest. Only if it
+is still there after the grace (a worker stopped while it joins ignores SIGTERM) is
+the whole group SIGKILLed, inside the stop (docs/engines.md).
 
 Exit 0 once no other process is left in the group; 1 if some survived SIGKILL (then
 systemd's own SIGKILL follows), 2 on bad arguments.
@@ -85,12 +92,46 @@ def stop_group(groups: Sequence[Path], grace: float) -> bool:
     return not left
 
 
+def stop_main_first(groups: Sequence[Path], main_pid: int, grace: float) -> bool:
+    """SIGTERM to the main process, wait up to grace for it to go, then SIGKILL the whole
+    group; True once the main process is gone (systemd ends the rest)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(main_pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _running(main_pid, groups) and time.monotonic() < deadline:
+        time.sleep(POLL)
+    if not _running(main_pid, groups):
+        return True
+    print(f"{PROG}: main process {main_pid} still running {grace:g} s after SIGTERM; "
+          "sending SIGKILL to the group", flush=True)
+    deadline = time.monotonic() + KILL_WAIT
+    left = members(groups)
+    while left and time.monotonic() < deadline:
+        signal_all(left, signal.SIGKILL)
+        time.sleep(POLL)
+        left = members(groups)
+    return not _running(main_pid, groups)
+
+
+def _running(pid: int, groups: Sequence[Path]) -> bool:
+    """Whether pid is still a live (not zombie) member of the group."""
+    if pid not in members(groups):
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog=PROG, description="SIGTERM every process of this unit's control group, then "
         "SIGKILL whatever is left after --grace seconds (an ExecStop= helper).")
     parser.add_argument("--grace", type=float, required=True,
                         help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--main-first", action="store_true",
+                        help="SIGTERM only the main process ($MAINPID), as KillMode=mixed "
+                        "does; SIGKILL the group if it outlives the grace")
     args = parser.parse_args(argv)
     if not 0 <= args.grace <= 86400:
         parser.error("--grace must be 0 to 86400 seconds")
@@ -98,6 +139,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not groups:
         print(f"{PROG}: cannot find this unit's control group", file=sys.stderr)
         sys.exit(1)
+    if args.main_first:
+        main_pid = os.environ.get("MAINPID", "")
+        if not main_pid.isdigit() or int(main_pid) <= 1:
+            sys.exit(0)  # no main process any more: systemd's KillMode= ends the rest
+        sys.exit(0 if stop_main_first(groups, int(main_pid), args.grace) else 1)
     sys.exit(0 if stop_group(groups, args.grace) else 1)
 
 

@@ -33,10 +33,11 @@ def replica(body: str) -> Replica:
      {"engine": VLLM}),
     ("vLLM mp, headless rank 1", f"engine: vllm\nlaunch_mode: mp\nmodel: /m\n{TWO_NODES}", 1,
      {"engine": VLLM}),
+    # ray start: 1 on SIGTERM; SIGKILL when llmgw-stop-group ends a join that ignored it
     ("vLLM on Ray, leader", f"engine: vllm\nmodel: /m\n{TWO_NODES}", 0,
-     {"ray-head": (1,), "engine": VLLM}),
+     {"ray-head": (1, "SIGKILL"), "engine": VLLM}),
     ("vLLM on Ray, worker (ray start only)", f"engine: vllm\nmodel: /m\n{TWO_NODES}", 1,
-     {"engine": (1,)}),
+     {"engine": (1, "SIGKILL")}),
     ("SGLang (a stand-in only: nothing measured)", f"engine: sglang\nmodel: /m\n{TWO_NODES}",
      0, {"engine": ()}),
     ("a command: exit 0 is the only clean one", "engine: command\nserving_rank: null\n"
@@ -107,9 +108,12 @@ def test_stop_timeout_reaches_every_member() -> None:
 @pytest.mark.parametrize(("body", "rank", "stopped_by_helper"), [
     (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nstop_timeout: 40\n{TWO_NODES}", 1,
      {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "35")}),
+    # ray start units (KillMode=mixed): the main process first, as mixed does
     (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 0,
-     {"ray-head": None, "engine": ("/usr/bin/llmgw-stop-group", "--grace", "25")}),
-    (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 1, {"engine": None}),
+     {"ray-head": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--main-first"),
+      "engine": ("/usr/bin/llmgw-stop-group", "--grace", "25")}),
+    (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 1,
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--main-first")}),
 ])
 def test_vllm_is_stopped_by_the_group_helper_within_the_stop_timeout(
         body: str, rank: int, stopped_by_helper: dict[str, tuple[str, ...] | None]) -> None:

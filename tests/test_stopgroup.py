@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,5 +69,51 @@ def test_stop_group_kills_after_the_grace_only_what_ignores_sigterm(
         if child.poll() is None:
             child.kill()
             child.wait()
+        for g in groups:
+            g.rmdir()
+
+
+@pytest.mark.parametrize("main_ignores_term", [False, True])
+def test_main_first_signals_the_main_process_alone_then_kills_the_group(
+        main_ignores_term: bool) -> None:
+    """--main-first (Ray units, KillMode=mixed): SIGTERM reaches only the main process;
+    its child, which ignores SIGTERM, is left for systemd unless the main process outlives
+    the grace, and then the whole group gets SIGKILL."""
+    groups = _cgroup(f"llmgw-test-stopgroup-main-{os.getpid()}-{int(main_ignores_term)}")
+    code = ("import signal, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
+            "time.sleep(600)'], stdout=subprocess.PIPE, text=True)\n"
+            "child.stdout.readline()\n"
+            + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if main_ignores_term else "")
+            + "print(child.pid, flush=True)\ntime.sleep(600)")
+    procs = [str(g / "cgroup.procs") for g in groups]
+
+    def enter() -> None:
+        for path in procs:
+            Path(path).write_text(str(os.getpid()))
+
+    main = subprocess.Popen([sys.executable, "-c", code], preexec_fn=enter,  # noqa: PLW1509
+                            stdout=subprocess.PIPE, text=True)
+    child_pid = 0
+    try:
+        assert main.stdout is not None
+        child_pid = int(main.stdout.readline())
+        assert stopgroup.stop_main_first(groups, main.pid, grace=1.0)
+        assert main.wait(timeout=10) == (-signal.SIGKILL if main_ignores_term
+                                         else -signal.SIGTERM)
+        if main_ignores_term:  # the group went with it
+            assert child_pid not in stopgroup.members(groups)
+        else:  # left to systemd's SIGKILL (KillMode=mixed)
+            assert child_pid in stopgroup.members(groups)
+    finally:
+        for pid in stopgroup.members(groups):
+            os.kill(pid, signal.SIGKILL)
+        if main.poll() is None:
+            main.kill()
+        main.wait()
+        deadline = time.monotonic() + 10
+        while stopgroup.members(groups) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for g in groups:
             g.rmdir()

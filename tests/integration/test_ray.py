@@ -142,3 +142,48 @@ replicas:
     wait_until(lambda: get(two_nodes, "node-a", http, "/health")[0] == 200, 240,
                "the replica to answer again")
     assert json.loads(get(two_nodes, "node-a", http, "/stand-in/nodes")[1])["alive"] == 2
+
+
+def test_a_worker_stopped_while_it_joins_ends_stopped_not_failed(one_node: UserManager,
+                                                                  tmp_path: Path) -> None:
+    """`ray start` joining a head that accepts TCP but never answers (blocked in Ray's
+    GCS client) ignores SIGTERM: measured, still running 30 s after it. Its unit's
+    llmgw-stop-group --main-first SIGKILLs the group inside the stop, so the unit ends
+    inactive instead of failed (Result=timeout), which would start the restart unit."""
+    import subprocess
+
+    head_port = free_port()
+    hanging = subprocess.Popen(["/usr/bin/python3", str(STANDINS / "hanging_server.py"),
+                                "127.0.0.1", str(head_port)])
+    try:
+        spec = write(tmp_path / "spec.yaml", f"""\
+replicas:
+  - name: llm
+    engine: vllm
+    model: /m
+    virtualenv: {engine_prefix(tmp_path / "prefix")}
+    rendezvous_port: {head_port}
+    stop_timeout: 15
+    ray_auth: disabled
+    restart: {{delay: 1, burst: 5, interval: 120}}
+    nodes:
+      - {{name: leader, address: 127.0.0.1}}
+      - {{name: node, address: 127.0.0.2}}
+""")
+        one_node.render(spec, "node")
+        one_node.systemctl("start", TARGET)
+        wait_until(lambda: "Local node IP" in (one_node.log_dir / f"{ENGINE}.log").read_text(
+            errors="replace") if (one_node.log_dir / f"{ENGINE}.log").exists() else None,
+            30, "ray start to be joining")
+        pids = one_node.unit_pids(ENGINE)
+        assert pids
+        one_node.systemctl("stop", TARGET)
+        info = one_node.show(ENGINE, "ActiveState", "Result")
+        assert info == {"ActiveState": "inactive", "Result": "success"}, one_node.dump()
+        assert not [p for p in pids if pid_alive(p)]
+        assert one_node.state_of("llmgw-llm-restart.service")[0] == "inactive"
+        assert "still running 10 s after SIGTERM; sending SIGKILL" in (
+            one_node.log_dir / f"{ENGINE}.log").read_text(errors="replace")
+    finally:
+        hanging.kill()
+        hanging.wait(timeout=10)
