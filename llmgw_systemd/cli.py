@@ -11,7 +11,7 @@ from typing import NoReturn
 import click
 
 from . import __version__
-from .errors import BadInput, LlmgwError, UsageError
+from .errors import BadInput, LlmgwError, NoShard, UsageError
 from .install import CREATE, KEEP, REMOVE, UPDATE, Survey, apply, survey, unified_diff
 from .plan import Manager, ShardPlan, plan_node
 from .render import render_shards
@@ -90,7 +90,11 @@ def render_command(specs: tuple[str, ...], node: str | None, output: str | None,
         directory = output or (_default_user_dir() if user_manager else SYSTEM_UNIT_DIR)
         spec = build_spec(read_documents(specs))
         manager = Manager(user=user_manager, wait_for_port=_find_helper())
-        plans = plan_node(spec, node_name, manager, allow_empty=allow_empty)
+        try:
+            plans = plan_node(spec, node_name, manager, allow_empty=allow_empty)
+        except NoShard as exc:
+            raise UsageError("--node", f"{exc}; pass --node NAME, or --allow-empty to remove "
+                             "this node's units") from None
         rendered = render_shards(plans)
         if apply_:
             _check_apply_target(directory, user_manager)
@@ -170,7 +174,7 @@ def _render_and_apply(directory: str, rendered: dict[str, str], plans: tuple[Sha
 def _generator_notes(rendered: dict[str, str], user_manager: bool) -> list[str]:
     """Replicas the generator also makes units for: ours take precedence (systemd's
     search order), and the generator skips them from the next daemon-reload on."""
-    from .render import is_generated
+    from .unitheader import is_generated
 
     if user_manager:
         runtime = os.environ.get("XDG_RUNTIME_DIR", "")
@@ -231,6 +235,7 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
     Exit 0 when every shard shown is ready, 3 when one is not, 2 on bad input, 1 when
     systemd cannot be reached."""
     import json
+    import time
 
     from .probe import http_probe  # noqa: F401 - keeps the import error here, early
     from .shards import local_shards, probe_shard, read_status
@@ -245,8 +250,9 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
             raise UsageError("NAME", f"replica '{name}' has no shard on node '{node_name}'")
         bus = SystemdBus(user=user_manager)
         try:
-            statuses = read_status(bus, shards, {s.replica.name: probe_shard(s)
-                                                 for s in shards})
+            probes = {s.replica.name: probe_shard(s) for s in shards}
+            # CLOCK_MONOTONIC, as systemd's timestamps (after the probes: they take time)
+            statuses = read_status(bus, shards, probes, int(time.monotonic() * 1e6))
         finally:
             bus.close()
     except LlmgwError as exc:

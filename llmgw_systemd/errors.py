@@ -26,6 +26,15 @@ class SpecError(BadInput):
         return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
 
 
+class NoShard(BadInput):
+    """The node has no shard in the spec (the CLI says which option to pass)."""
+
+    def __init__(self, node: str, known: list[str]) -> None:
+        self.node, self.known = node, known
+        super().__init__(f"node '{node}' is not in any replica (nodes in the spec: "
+                         f"{', '.join(known) or 'none'})")
+
+
 class UsageError(BadInput):
     """A command-line argument is wrong."""
 

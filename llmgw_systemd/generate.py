@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 from .errors import BadInput, SpecError
 from .generated import ERROR, NOTICE
 from .plan import Manager, plan_node
-from .render import BY_GENERATOR, render_shards
+from .render import render_shards
 from .spec import collect_spec
+from .unitheader import BY_GENERATOR
 from .yamldoc import Document, parse
 
 if TYPE_CHECKING:  # plain tuples, named in generated.py for the type checker only

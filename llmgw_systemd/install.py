@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import InstallError
-from .render import is_ours
+from .unitheader import is_ours
 
 OUR_NAME_RE = re.compile(r"llmgw-[A-Za-z0-9:_.-]+\.(service|target)\Z")
 TEMP_SUFFIX = ".llmgw-tmp"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .endpoint import Endpoint
 from .engines import Step, node_env, shard_steps
-from .errors import UsageError
+from .errors import NoShard
 from .spec import Replica, RestartPolicy, Spec
 
 UNIT_PREFIX = "llmgw-"
@@ -134,10 +134,7 @@ def plan_node(spec: Spec, node: str, manager: Manager, *, allow_empty: bool = Fa
         if rank is not None:
             plans.append(plan_shard(replica, rank, manager))
     if not plans and not allow_empty:
-        known = ", ".join(spec.node_names()) or "none"
-        raise UsageError("--node", f"node '{node}' is not in any replica (nodes in the spec: "
-                         f"{known}); pass --node NAME, or --allow-empty to remove this "
-                         "node's units")
+        raise NoShard(node, spec.node_names())
     return tuple(plans)
 
 

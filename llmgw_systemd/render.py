@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from collections.abc import Iterable
 
 import jinja2
@@ -16,13 +15,11 @@ import jinja2
 from . import unitsyntax
 from .plan import ShardPlan
 from .templating import COMPILED_PACKAGE_DIR, TEMPLATE_OPTIONS
+from .unitheader import BY_RENDER, MARKER
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 TEMPLATE_DIR = os.path.join(PACKAGE_DIR, "templates")
 COMPILED_DIR = os.path.join(PACKAGE_DIR, COMPILED_PACKAGE_DIR)
-# The marker that makes a file ours: only files that carry it are ever pruned.
-MARKER = "# llmgw-systemd: generated unit (marker v1)"
-MARKER_LINES = 4  # the marker stands within this many lines from the top
 
 
 def make_environment(template_dir: str | None = None) -> jinja2.Environment:
@@ -46,11 +43,6 @@ def default_environment() -> jinja2.Environment:
     return make_environment()
 
 
-# Line 2 of every unit: who wrote it. The generator's units are otherwise byte for byte
-# what llmgw-render writes for the same specs (tests/test_generator.py holds it to that).
-BY_RENDER = "# Written by llmgw-render; do not edit: it rewrites or removes this file."
-BY_GENERATOR = ("# Written by llmgw-systemd-generator at every daemon-reload; edit the spec, "
-                "not this file.")
 
 
 def header(plan: ShardPlan, unit: str, written_by: str = BY_RENDER) -> str:
@@ -79,27 +71,3 @@ def render_shards(plans: Iterable[ShardPlan], env: jinja2.Environment | None = N
         out[plan.restart.name] = restart.render(unit=plan.restart,
                                                 header=header(plan, plan.restart.name, written_by))
     return out
-
-
-_SOURCE_RE = re.compile(r"# Source: .*, replica ([a-z0-9-]+), node [^ ,]+, rank [0-9]+ of "
-                        r"[0-9]+\Z")
-
-
-def replica_of(text: str) -> str | None:
-    """The replica a unit we wrote belongs to, from its header's Source line (the last
-    ', replica NAME, node' wins: the spec's path before it may hold anything)."""
-    for line in text.splitlines()[:MARKER_LINES]:
-        match = _SOURCE_RE.match(line)
-        if match:
-            return match.group(1)
-    return None
-
-
-def is_generated(head: str) -> bool:
-    """Whether a unit file's first lines say the generator wrote it."""
-    return is_ours(head) and BY_GENERATOR in head.splitlines()[:MARKER_LINES]
-
-
-def is_ours(head: str) -> bool:
-    """Whether a unit file's first lines carry our marker."""
-    return MARKER in head.splitlines()[:MARKER_LINES]

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .plan import ShardPlan
-from .render import replica_of
+from .unitheader import replica_of
 
 # A replica runs when its target or one of its members is in one of these states.
 RUNNING_STATES = frozenset({"active", "activating", "reloading"})

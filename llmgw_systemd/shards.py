@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,12 +60,13 @@ def probe_shard(shard: LocalShard) -> Probe | None:
 
 
 def read_status(bus: SystemdBus, shards: Sequence[LocalShard],
-                probes: dict[str, Probe | None], was_ready: frozenset[str] = frozenset(),
+                probes: dict[str, Probe | None], now_usec: int,
+                was_ready: frozenset[str] = frozenset(),
                 *, refresh: bool = False, properties: bool = True) -> list[ShardStatus]:
-    """One bulk snapshot of every unit of every shard, judged by the health rules."""
+    """One bulk snapshot of every unit of every shard, judged by the health rules at
+    now_usec (CLOCK_MONOTONIC, as systemd's timestamps: the caller reads the clock)."""
     names = [n for s in shards for n in (s.plan.target.name, *s.members)]
     states = bus.snapshot(names, refresh=refresh, properties=properties)
-    now_usec = int(time.monotonic() * 1e6)  # CLOCK_MONOTONIC, as systemd's timestamps
     out = []
     for shard in shards:
         target = states[shard.plan.target.name]

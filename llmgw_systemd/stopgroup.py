@@ -33,6 +33,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import __version__
+
 PROG = "llmgw-stop-group"
 CGROUP_FS = Path("/sys/fs/cgroup")
 POLL = 0.1  # seconds between looks at the group
@@ -127,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog=PROG, description="SIGTERM every process of this unit's control group, then "
         "SIGKILL whatever is left after --grace seconds (an ExecStop= helper).")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument("--grace", type=float, required=True,
                         help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--main-first", action="store_true",

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 
 from .errors import UnsafeValue
-from .yamldoc import describe_char, find_control_char
+from .textrules import describe_char, find_control_char
 
 
 def _check(text: str, what: str) -> None:

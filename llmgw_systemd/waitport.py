@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from . import __version__
 from .endpoint import Endpoint, parse_endpoint
 from .errors import BadInput
 from .sdnotify import notify
@@ -104,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Wait until every HOST:PORT accepts TCP connections "
         "(or, with --free, until nothing listens there).")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument("addresses", nargs="+", metavar="HOST:PORT",
                         help="address to wait for; IPv6 as [ADDR]:PORT")
     parser.add_argument("--timeout", type=_seconds, default=300.0,

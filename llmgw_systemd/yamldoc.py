@@ -7,13 +7,13 @@ convert it ourselves so every error can name its line and key path.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Union
 
 import yaml
 
 from .errors import SpecError
+from .textrules import describe_char, find_control_char
 
 KeyPath = tuple[Union[str, int], ...]
 _STR_TAG = "tag:yaml.org,2002:str"
@@ -87,22 +87,6 @@ class Document:
     def error(self, path: KeyPath, message: str, *, at_key: bool = False) -> SpecError:
         line = self.key_line(path) if at_key else self.line_of(path)
         return SpecError(self.file, line, format_path(path), message)
-
-
-# C0/C1 controls (newline included) and the Unicode line separators can start new
-# directives or corrupt a line; lone surrogates cannot be encoded as UTF-8.
-_FORBIDDEN_RE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff\u2028\u2029]")
-
-
-def find_control_char(text: str) -> str | None:
-    """The first character that must never reach a unit file, if any."""
-    match = _FORBIDDEN_RE.search(text)
-    return match.group() if match else None
-
-
-def describe_char(ch: str) -> str:
-    names = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\0": "a NUL byte"}
-    return names.get(ch, f"the control character U+{ord(ch):04X}")
 
 
 def decode(raw: bytes, file: str) -> str:
@@ -182,9 +166,9 @@ class _Converter:
         return value
 
     def _check_text(self, text: str, node: Any, path: KeyPath) -> None:
-        if _FORBIDDEN_RE.search(text) is None:
+        bad = find_control_char(text)
+        if bad is None:
             return
-        bad = find_control_char(text) or ""
         raise self._fail(
             node.start_mark.line + 1, path, f"contains {describe_char(bad)}; values that "
             "reach unit files must be single-line text without control characters")

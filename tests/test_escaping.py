@@ -17,8 +17,9 @@ from llmgw_systemd.errors import SpecError, UnsafeValue
 from llmgw_systemd.plan import Manager, plan_node
 from llmgw_systemd.render import render_shards
 from llmgw_systemd.spec import build_spec
+from llmgw_systemd.textrules import find_control_char
 from llmgw_systemd.unitsyntax import env_assignment, exec_line, exec_word, plain_value
-from llmgw_systemd.yamldoc import find_control_char, parse
+from llmgw_systemd.yamldoc import parse
 
 EXE = "/usr/bin/printf"
 TRICKY = ["%", "100%", "%n", "%%", "$HOME", "${HOME}", "$$", "$", "a;b", ";", "\\", "\\;",

@@ -15,7 +15,7 @@ from generatorrun import GeneratorRun
 from helpers import rendered_dir, run_render, verify_units
 from installed import BIN_DIR, WAIT_FOR_PORT
 
-from llmgw_systemd.render import BY_GENERATOR, BY_RENDER
+from llmgw_systemd.unitheader import BY_GENERATOR, BY_RENDER
 
 CASES = sorted((Path(__file__).parent / "cases" / "render").glob("*.yaml"))
 
