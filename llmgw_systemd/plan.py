@@ -75,6 +75,7 @@ class ServiceUnit:
     hardening: bool
     on_failure: str  # the shard's restart unit
     is_engine: bool  # the last member, whose exit is the shard's
+    syslog_identifier: str  # one per rank: journalctl -t llmgw-R-rankK finds the rank
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             hardening=not manager.user,
             on_failure=restarter,
             is_engine=is_engine,
+            syslog_identifier=f"{UNIT_PREFIX}{replica.name}-rank{rank}",
         ))
     role = "leader" if rank == 0 else "worker"
     http = f", serves HTTP on port {replica.port}" if serves else ""

@@ -284,8 +284,8 @@ def test_an_edited_installation_of_the_same_version_is_a_new_cache_key(tmp_path:
     gen.spec("a.yaml", ALPHA)
     assert "yaml" in imports(gen)
     assert "yaml" not in imports(gen)
-    render_py = site / "llmgw_systemd" / "render.py"
-    render_py.write_text(render_py.read_text().replace("at every daemon-reload;",
+    header_py = site / "llmgw_systemd" / "unitheader.py"
+    header_py.write_text(header_py.read_text().replace("at every daemon-reload;",
                                                        "at every daemon-reload (edited);"))
     assert "yaml" in imports(gen)
     assert all("(edited)" in text for text in gen.units().values())

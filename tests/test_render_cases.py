@@ -54,7 +54,11 @@ def test_render_case(case_file: Path, tmp_path: Path) -> None:
     units = rendered_dir(out)
     assert sorted(units) == sorted(case["units"])
     for name, expected in case["units"].items():
-        check_unit(name, units[name], expected or {})
+        try:
+            check_unit(name, units[name], expected or {})
+        except AssertionError as exc:  # the whole unit, to see what was rendered instead
+            raise AssertionError(f"{exc}\n----- {name}, as rendered -----\n{units[name]}"
+                                 ) from None
     verify_units(units, tmp_path / "verify", user=bool(case.get("user")))
 
     before = snapshot(out)
