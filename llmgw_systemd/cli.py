@@ -6,7 +6,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import NoReturn
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -16,7 +17,12 @@ from .install import CREATE, KEEP, REMOVE, UPDATE, Survey, apply, survey, unifie
 from .plan import Manager, ShardPlan, plan_node
 from .render import render_shards
 from .sources import read_documents
-from .spec import build_spec
+from .spec import Replica, build_spec
+
+if TYPE_CHECKING:
+    import ssl
+
+    from .shards import ShardStatus
 
 SYSTEM_UNIT_DIR = "/etc/systemd/system"
 WAIT_FOR_PORT = "llmgw-wait-for-port"
@@ -211,6 +217,7 @@ def render_main() -> None:
 
 
 DEFAULT_SPECS = ("/etc/llmgw/replicas.d",)
+DEFAULT_TLS_DIR = "/etc/llmgw/tls"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -228,12 +235,28 @@ def systemd_group() -> None:
 @click.option("--node", metavar="NAME", help="This node's name [default: the host name].")
 @click.option("--user", "user_manager", is_flag=True, help="Read the user manager.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--cluster", is_flag=True,
+              help="Every rank of these replicas, the other nodes' as their own supervisors "
+                   "report them.")
+@click.option("--peer-port", type=click.IntRange(1, 65535), default=9470, show_default=True,
+              metavar="PORT", help="With --cluster: the port the supervisors listen on.")
+@click.option("--peer-timeout", type=click.FloatRange(0.1, 120), default=3.0,
+              show_default=True, metavar="SECONDS",
+              help="With --cluster: bound on each supervisor's answer.")
+@click.option("--tls-cert", metavar="FILE", help="With --cluster: this node's certificate.")
+@click.option("--tls-key", metavar="FILE", help="With --cluster: this node's key.")
+@click.option("--tls-ca", metavar="FILE", help="With --cluster: the cluster CA [default for "
+              f"all three: node.crt, node.key, ca.crt in {DEFAULT_TLS_DIR} when there; "
+              "none: plain HTTP].")
 def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
-                   user_manager: bool, as_json: bool) -> None:
-    """Health of this node's shards, straight from systemd (no supervisor needed).
+                   user_manager: bool, as_json: bool, cluster: bool, peer_port: int,
+                   peer_timeout: float, tls_cert: str | None, tls_key: str | None,
+                   tls_ca: str | None) -> None:
+    """Health of this node's shards, straight from systemd (no supervisor needed); with
+    --cluster, of every rank of their replicas.
 
-    Exit 0 when every shard shown is ready, 3 when one is not, 2 on bad input, 1 when
-    systemd cannot be reached."""
+    Exit 0 when every shard (or rank) shown is ready, 3 when one is not, 2 on bad input,
+    1 when systemd cannot be reached."""
     import json
     import time
 
@@ -248,6 +271,7 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
                   if name is None or s.replica.name == name]
         if name is not None and not shards:
             raise UsageError("NAME", f"replica '{name}' has no shard on node '{node_name}'")
+        tls = _cluster_tls(tls_cert, tls_key, tls_ca) if cluster else None
         bus = SystemdBus(user=user_manager)
         try:
             probes = {s.replica.name: probe_shard(s) for s in shards}
@@ -255,6 +279,9 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
             statuses = read_status(bus, shards, probes, int(time.monotonic() * 1e6))
         finally:
             bus.close()
+        if cluster:
+            _print_cluster([s.replica for s in shards], node_name, statuses, as_json,
+                           peer_port=peer_port, timeout=peer_timeout, tls=tls)
     except LlmgwError as exc:
         _fail("llmgw-systemd status", exc)
     if as_json:
@@ -265,13 +292,71 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
                                "result": u.result, "restarts": u.n_restarts}
                       for u in s.units}} for s in statuses], indent=2))
     else:
-        rows = [("REPLICA", "RANK", "NODE", "STATE", "REASON")] + [
+        _table([("REPLICA", "RANK", "NODE", "STATE", "REASON")] + [
             (s.replica, f"{s.rank}/{s.ranks}", s.node, s.health.state, s.health.reason)
-            for s in statuses]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        for row in rows:
-            click.echo("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
+            for s in statuses])
     sys.exit(0 if all(s.health.state == "ready" for s in statuses) else 3)
+
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> None:
+    """Columns padded to their widest cell; the last one (a reason) left as it is."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1])
+
+
+def _cluster_tls(cert: str | None, key: str | None, ca: str | None
+                 ) -> ssl.SSLContext | None:
+    from .tlsconfig import TlsError, client_context, find_tls_files
+
+    try:
+        files = find_tls_files(cert, key, ca, credentials_dir=DEFAULT_TLS_DIR
+                               if os.path.isdir(DEFAULT_TLS_DIR) else None)
+        return client_context(files) if files is not None else None
+    except (TlsError, OSError) as exc:
+        raise UsageError("--tls-cert/--tls-key/--tls-ca", str(exc)) from None
+
+
+def _print_cluster(replicas: list[Replica], node: str, statuses: list[ShardStatus],
+                   as_json: bool, *, peer_port: int, timeout: float,
+                   tls: ssl.SSLContext | None) -> NoReturn:
+    """Ask every other node's supervisor once, in parallel, then one table."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .cluster import PeerView, all_ready, cluster_rows
+    from .peerclient import PeerError, fetch_shards
+    from .tlsconfig import names_node
+
+    context = tls
+    address = {n.name: n.address for r in replicas for n in r.nodes if n.name != node}
+
+    def ask(peer: str) -> PeerView:
+        try:
+            answer = fetch_shards(address[peer], peer_port, deadline=timeout,
+                                  ssl_context=context, server_hostname=address[peer])
+        except PeerError as exc:
+            return PeerView(peer, error=str(exc), tls=context is not None)
+        named = bool(answer.peer_cert) and names_node(answer.peer_cert or {}, peer,
+                                                      address[peer])
+        return PeerView(answer.node, answer.shards, authenticated=named,
+                        tls=context is not None)
+
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(address)))) as pool:
+        views = dict(zip(address, pool.map(ask, address)))
+    local = {s.replica: (s.health.state, s.health.reason) for s in statuses}
+    where = {peer: f"{addr}:{peer_port}" for peer, addr in address.items()}
+    rows = cluster_rows(replicas, node, local, views, where)
+    if as_json:
+        click.echo(json.dumps([{"replica": r.replica, "rank": r.rank, "ranks": r.ranks,
+                                "node": r.node, "state": r.state, "reason": r.reason,
+                                "source": r.source} for r in rows], indent=2))
+    else:
+        _table([("REPLICA", "RANK", "NODE", "STATE", "SOURCE", "REASON")] + [
+            (r.replica, f"{r.rank}/{r.ranks}", r.node, r.state, r.source, r.reason)
+            for r in rows])
+    sys.exit(0 if all_ready(rows) else 3)
 
 
 def systemd_main() -> None:

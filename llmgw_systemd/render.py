@@ -14,7 +14,7 @@ import jinja2
 
 from . import unitsyntax
 from .plan import ShardPlan
-from .templating import COMPILED_PACKAGE_DIR, TEMPLATE_OPTIONS
+from .templating import COMPILED_PACKAGE_DIR, COMPILED_VERSION_FILE, TEMPLATE_OPTIONS
 from .unitheader import BY_RENDER, MARKER
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -23,9 +23,12 @@ COMPILED_DIR = os.path.join(PACKAGE_DIR, COMPILED_PACKAGE_DIR)
 
 
 def make_environment(template_dir: str | None = None) -> jinja2.Environment:
-    """The templates as the wheel ships them compiled (fast), or read from template_dir."""
+    """The templates as the wheel ships them compiled (fast), or read from template_dir
+    (or from the shipped sources, when this Jinja2's feature release is not the one that
+    compiled them: compiled code imports names that differ between releases, and RHEL
+    9's 2.11 lacks some that 3.1 compiles in)."""
     loader: jinja2.BaseLoader
-    if template_dir is None and os.path.isdir(COMPILED_DIR):
+    if template_dir is None and _release(_compiled_by()) == _release(jinja2.__version__):
         loader = jinja2.ModuleLoader(COMPILED_DIR)
     else:
         loader = jinja2.FileSystemLoader(template_dir or TEMPLATE_DIR)
@@ -34,6 +37,18 @@ def make_environment(template_dir: str | None = None) -> jinja2.Environment:
     env.filters.update(exec=unitsyntax.exec_line, env=unitsyntax.env_assignment,
                        value=unitsyntax.plain_value)
     return env
+
+
+def _release(version: str | None) -> tuple[str, ...] | None:
+    return tuple(version.split(".")[:2]) if version else None
+
+
+def _compiled_by() -> str | None:
+    try:
+        with open(os.path.join(COMPILED_DIR, COMPILED_VERSION_FILE), encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 @functools.cache

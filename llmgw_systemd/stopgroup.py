@@ -125,7 +125,8 @@ def _running(pid: int, groups: Sequence[Path]) -> bool:
         return False
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments (also read by scripts/manpages.py for the man page and completion)."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="SIGTERM every process of this unit's control group, then "
         "SIGKILL whatever is left after --grace seconds (an ExecStop= helper).")
@@ -135,6 +136,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--main-first", action="store_true",
                         help="SIGTERM only the main process ($MAINPID), as KillMode=mixed "
                         "does; SIGKILL the group if it outlives the grace")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not 0 <= args.grace <= 86400:
         parser.error("--grace must be 0 to 86400 seconds")

@@ -14,3 +14,4 @@ TEMPLATE_OPTIONS = {
 # them up by name when rendering (render.make_environment supplies them).
 FILTER_NAMES = ("exec", "env", "value")
 COMPILED_PACKAGE_DIR = "compiled_templates"
+COMPILED_VERSION_FILE = "JINJA2_VERSION"  # in it: the Jinja2 version that compiled them

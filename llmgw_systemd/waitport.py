@@ -98,10 +98,8 @@ def _seconds(text: str) -> float:
     return value
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    # First of all: a stop may come at any moment (a SIGTERM during the interpreter's own
-    # start-up, a few tens of ms, still kills it; docs/engines.md).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments (also read by scripts/manpages.py for the man page and completion)."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="Wait until every HOST:PORT accepts TCP connections "
         "(or, with --free, until nothing listens there).")
@@ -115,6 +113,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="seconds between tries (default 0.25)")
     parser.add_argument("--free", action="store_true",
                         help="wait until the ports can be bound (nobody listens) instead")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    # First of all: a stop may come at any moment (a SIGTERM during the interpreter's own
+    # start-up, a few tens of ms, still kills it; docs/engines.md).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parser = build_parser()
     args = parser.parse_args(argv)
     endpoints = []
     try:

@@ -19,7 +19,8 @@ MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
 # through it) are the template shell; everything else is an I/O shell or an entry point.
 PURE = {
     "endpoint", "engines", "errors", "evidence", "generated", "grouprestart", "health",
-    "plan", "replicastate", "rollout", "spec", "templating", "textrules", "unitheader",
+    "cluster", "plan", "replicastate", "rollout", "spec", "templating", "textrules",
+    "unitheader",
     "unitstate", "unitsyntax", "yamldoc",
 }
 # What a pure module must not import: processes, sockets, threads, files, the clock.

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 import llmgw_systemd
 from llmgw_systemd import render
 
@@ -19,6 +21,20 @@ def test_templates_ship_inside_the_package() -> None:
     shipped = sorted(p.name for p in Path(render.TEMPLATE_DIR).glob("*.j2"))
     source = sorted(p.name for p in (Path(__file__).parents[1] / "templates").glob("*.j2"))
     assert shipped == source and shipped
+
+
+def test_compiled_templates_are_used_only_under_the_jinja2_that_made_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled templates import names that differ between Jinja2 feature releases
+    (RHEL 9's 2.11 lacks what 3.1 compiles in): under another, the shipped sources."""
+    import jinja2
+
+    assert type(render.make_environment().loader).__name__ == "ModuleLoader"
+    monkeypatch.setattr(render, "_compiled_by", lambda: "2.11.3")
+    assert jinja2.__version__ != "2.11.3"
+    env = render.make_environment()
+    assert type(env.loader).__name__ == "FileSystemLoader"
+    assert env.get_template("service.j2") is not None
 
 
 def test_compiled_templates_match_their_sources() -> None:

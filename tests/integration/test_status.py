@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from installed import BIN_DIR
 from specs import free_port, one_node_shard
-from systemd_harness import UserManager, wait_until
+from systemd_harness import Nodes, UserManager, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -73,3 +73,70 @@ def test_status_of_an_unknown_replica_is_bad_input(one_node: UserManager, tmp_pa
                           timeout=60, check=False)
     assert proc.returncode == 2
     assert "replica 'nope' has no shard on node 'node'" in proc.stderr
+
+
+def cluster_status(manager: UserManager, node: str, spec: Path, *extra: str
+                   ) -> tuple[int, list[dict[str, object]], str]:
+    """status --cluster run on that node (inside its network namespace), as JSON and as
+    the table."""
+    assert manager.netns is not None
+    base = ["ip", "netns", "exec", manager.netns.name, STATUS, "status", "--cluster",
+            "--user", "--node", node, "--spec", str(spec), "--peer-timeout", "2", *extra]
+    as_json = subprocess.run([*base, "--json"], capture_output=True, text=True,
+                             env=manager.env, timeout=60, check=False)
+    table = subprocess.run(base, capture_output=True, text=True, env=manager.env,
+                           timeout=60, check=False)
+    assert as_json.returncode in (0, 3), as_json.stderr
+    assert table.returncode == as_json.returncode, table.stderr
+    return as_json.returncode, json.loads(as_json.stdout), table.stdout
+
+
+def test_status_cluster_shows_every_rank_from_any_node_and_a_peer_down(
+        two_nodes: Nodes, tmp_path: Path) -> None:
+    from specs import two_node_replica
+    from supervisors import SupervisorProcess
+
+    spec = two_node_replica(tmp_path / "spec.yaml", name="rep",
+                            leader=two_nodes.address("node-a"),
+                            worker=two_nodes.address("node-b"), http=free_port(),
+                            head=free_port(), pid_file=tmp_path / "head.pids")
+    spec.write_text(spec.read_text() + "    health: {interval: 1, timeout: 1, stability: 2}\n")
+    leader, worker = two_nodes["node-a"], two_nodes["node-b"]
+    leader.render(spec, "node-a")
+    worker.render(spec, "node-b")
+    worker.systemctl("start", "llmgw-rep.target")
+    leader.systemctl("start", "llmgw-rep.target")
+    sups = []
+    try:
+        for manager, node in ((leader, "node-a"), (worker, "node-b")):
+            assert manager.netns is not None
+            sups.append(SupervisorProcess(manager, node, spec,
+                                          listen=f"{manager.netns.address}:9470"))
+        sups[0].wait_state("rep", "ready", 60, settled=True)
+        for manager, node in ((leader, "node-a"), (worker, "node-b")):
+
+            def all_ready(m: UserManager = manager, n: str = node
+                          ) -> tuple[int, list[dict[str, object]], str] | None:
+                seen = cluster_status(m, n, spec)
+                return seen if seen[0] == 0 else None
+
+            code, rows, table = wait_until(all_ready, 30, f"every rank ready, from {node}")
+            assert [(r["rank"], r["node"], r["state"]) for r in rows] == [
+                (0, "node-a", "ready"), (1, "node-b", "ready")]
+            sources = {r["node"]: r["source"] for r in rows}
+            other = "node-b" if node == "node-a" else "node-a"
+            assert sources == {node: "systemd", other: f"supervisor on {other} (plain HTTP)"}
+            assert table.splitlines()[0].split() == ["REPLICA", "RANK", "NODE", "STATE",
+                                                     "SOURCE", "REASON"]
+
+        sups[1].stop()  # node-b's supervisor down: its rank is unknown, and says why
+        code, rows, table = cluster_status(leader, "node-a", spec)
+        assert code == 3
+        assert rows[0]["state"] == "ready"
+        assert rows[1]["state"] == "unknown"
+        assert str(rows[1]["reason"]).startswith(
+            f"its supervisor at {two_nodes.address('node-b')}:9470 did not answer: ")
+        assert "unknown" in table.splitlines()[2]
+    finally:
+        for sup in sups:
+            sup.stop()

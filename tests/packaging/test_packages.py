@@ -34,6 +34,11 @@ DEB_GENERATOR_LINKS = ("/lib/systemd/system-generators/llmgw-systemd-generator",
                        "/usr/lib/systemd/user-generators/llmgw-systemd-generator")
 RPM_GENERATOR_LINKS = ("/usr/lib/systemd/system-generators/llmgw-systemd-generator",
                        "/usr/lib/systemd/user-generators/llmgw-systemd-generator")
+# every command's man page and bash completion (scripts/manpages.py)
+MAN_PAGES = (*(f"/usr/share/man/man1/{e}.1" for e in ENTRY_POINTS
+               if e != "llmgw-systemd-generator"),
+             "/usr/share/man/man8/llmgw-systemd-generator.8")
+COMPLETIONS = tuple(f"/usr/share/bash-completion/completions/{e}" for e in ENTRY_POINTS)
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -114,7 +119,8 @@ def test_deb_holds_what_it_should_and_nothing_from_the_build() -> None:
                 "/etc/llmgw/replicas.d/",
                 "/usr/share/doc/llmgw-systemd/examples/replicas.yaml",
                 "/usr/lib/python3/dist-packages/llmgw_systemd/cli.py",
-                "/usr/lib/python3/dist-packages/llmgw_systemd/templates/service.j2"]
+                "/usr/lib/python3/dist-packages/llmgw_systemd/templates/service.j2",
+                *(f"{p}.gz" for p in MAN_PAGES), *COMPLETIONS]  # dh_installman gzips
     for path in expected:
         assert path in files, path
     assert any("/llmgw_systemd/compiled_templates/tmpl_" in f for f in files)
@@ -165,9 +171,9 @@ def test_lintian_finds_no_errors() -> None:
     lint = run("lintian", "--no-tag-display-limit", str(DEB))
     errors = [line for line in lint.stdout.splitlines() if line.startswith("E:")]
     assert errors == [], lint.stdout
-    # and no warnings but these: no manual pages yet, and /etc/llmgw/tls 0700 on purpose
+    # and no warnings but /etc/llmgw/tls at 0700, on purpose: every command has its
+    # man page (no no-manual-page)
     warnings = [line for line in lint.stdout.splitlines() if line.startswith("W:")
-                and " no-manual-page [usr/bin/llmgw-" not in line
                 and not line.endswith(" non-standard-dir-perm 0700 != 0755 [etc/llmgw/tls/]")]
     assert warnings == [], lint.stdout
 
@@ -175,8 +181,11 @@ def test_lintian_finds_no_errors() -> None:
 def test_rpm_files_requirements_and_scripts(tmp_path: Path) -> None:
     files = run("rpm", "-qlp", str(RPM)).stdout.splitlines()
     for path in (*(f"/usr/bin/{e}" for e in ENTRY_POINTS), *RPM_GENERATOR_LINKS,
-                 "/usr/lib/systemd/system/llmgw-supervisor.service", "/etc/llmgw/replicas.d"):
+                 "/usr/lib/systemd/system/llmgw-supervisor.service", "/etc/llmgw/replicas.d",
+                 *COMPLETIONS):
         assert path in files, path
+    for page in MAN_PAGES:  # compressed by rpm's brp-compress where the build host has it
+        assert any(f in files for f in (page, f"{page}.gz", f"{page}.xz", f"{page}.zst")), page
     assert any(f.endswith("/site-packages/llmgw_systemd/templates/service.j2") for f in files)
     # the pure directory the package's own modules are in, then the arch one (RHEL's and
     # Fedora's python3-pyyaml is arch-specific) of the same Python

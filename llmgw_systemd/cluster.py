@@ -1,0 +1,83 @@
+"""`llmgw-systemd status --cluster`: every rank of this node's replicas in one table, this
+node's from systemd, each peer's from that node's own supervisor (pure; the CLI fetches).
+
+A peer's row is that supervisor's judgement of its own rank. What it says is shown only
+when the answer came from the node the spec names (over TLS: its certificate names it);
+otherwise the rank is `unknown`, with why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .evidence import PeerShard
+from .spec import Replica
+
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """What one node's supervisor answered, or why it did not."""
+
+    node: str  # the node it says it is
+    shards: tuple[PeerShard, ...] = ()
+    authenticated: bool = False  # over TLS, its certificate names the node we dialed
+    tls: bool = False
+    error: str = ""  # non-empty: no answer
+
+
+@dataclass(frozen=True)
+class Row:
+    replica: str
+    rank: int
+    ranks: int
+    node: str
+    state: str
+    reason: str
+    source: str  # "systemd" (this node) or whose supervisor said it
+
+
+def cluster_rows(replicas: Sequence[Replica], node: str,
+                 local: Mapping[str, tuple[str, str]], peers: Mapping[str, PeerView],
+                 address: Mapping[str, str]) -> list[Row]:
+    """local: replica -> (state, reason) of this node's rank; peers: node name -> its
+    supervisor's answer; address: node name -> where it was asked."""
+    rows = []
+    for replica in replicas:
+        n = len(replica.nodes)
+        for rank, member in enumerate(replica.nodes):
+            if member.name == node:
+                state, reason = local.get(replica.name, (UNKNOWN, "not read"))
+                rows.append(Row(replica.name, rank, n, member.name, state, reason, "systemd"))
+                continue
+            state, reason, source = _peer_rank(replica.name, rank, member.name,
+                                               peers.get(member.name),
+                                               address.get(member.name, member.address))
+            rows.append(Row(replica.name, rank, n, member.name, state, reason, source))
+    return rows
+
+
+def _peer_rank(replica: str, rank: int, node: str, view: PeerView | None, where: str
+               ) -> tuple[str, str, str]:
+    source = f"supervisor on {node}"
+    if view is None:
+        return UNKNOWN, "not asked", source
+    if view.error:
+        return UNKNOWN, f"its supervisor at {where} did not answer: {view.error}", source
+    if view.tls and not view.authenticated:
+        return UNKNOWN, (f"the supervisor at {where} has no certificate naming {node}; "
+                         "its answer is not believed"), source
+    if view.node != node:
+        return UNKNOWN, (f"the supervisor at {where} says it is node '{view.node}', not "
+                         f"'{node}'"), source
+    source += " (TLS)" if view.tls else " (plain HTTP)"
+    for shard in view.shards:
+        if shard.replica == replica and shard.rank == rank:
+            return shard.state, shard.reason, source
+    return UNKNOWN, f"{node}'s supervisor reports no rank {rank} of this replica", source
+
+
+def all_ready(rows: Sequence[Row]) -> bool:
+    return all(r.state == "ready" for r in rows)

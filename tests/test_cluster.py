@@ -1,0 +1,53 @@
+"""`status --cluster`'s rows, as a table: this node's rank from systemd, each peer's from
+its own supervisor, and `unknown` (with why) whenever that answer cannot be believed."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw_systemd.cluster import PeerView, Row, all_ready, cluster_rows
+from llmgw_systemd.evidence import PeerShard
+from llmgw_systemd.spec import build_spec
+from llmgw_systemd.yamldoc import parse
+
+SPEC = """\
+replicas:
+  - name: rep
+    engine: vllm
+    model: /m
+    nodes: [{name: a, address: 10.0.0.1}, {name: b, address: 10.0.0.2}]
+"""
+REPLICAS = build_spec([parse(SPEC.encode(), "s.yaml")]).replicas
+B_READY = PeerShard("rep", 1, "b", "ready", "up 40 s", "abc")
+WHERE = {"b": "10.0.0.2:9470"}
+
+
+@pytest.mark.parametrize(("view", "state", "reason", "source"), [
+    (PeerView("b", (B_READY,), tls=False), "ready", "up 40 s", "supervisor on b (plain HTTP)"),
+    (PeerView("b", (B_READY,), authenticated=True, tls=True), "ready", "up 40 s",
+     "supervisor on b (TLS)"),
+    (PeerView("b", (B_READY,), authenticated=False, tls=True), "unknown",
+     "the supervisor at 10.0.0.2:9470 has no certificate naming b; its answer is not "
+     "believed", "supervisor on b"),
+    (PeerView("b", error="connection refused"), "unknown",
+     "its supervisor at 10.0.0.2:9470 did not answer: connection refused", "supervisor on b"),
+    (PeerView("c", (B_READY,)), "unknown",
+     "the supervisor at 10.0.0.2:9470 says it is node 'c', not 'b'", "supervisor on b"),
+    (PeerView("b", (PeerShard("rep", 0, "b", "ready", "", ""),)), "unknown",
+     "b's supervisor reports no rank 1 of this replica", "supervisor on b (plain HTTP)"),
+    (None, "unknown", "not asked", "supervisor on b"),
+])
+def test_peer_rows(view: PeerView | None, state: str, reason: str, source: str) -> None:
+    rows = cluster_rows(REPLICAS, "a", {"rep": ("ready", "serving")},
+                        {"b": view} if view else {}, WHERE)
+    assert rows == [Row("rep", 0, 2, "a", "ready", "serving", "systemd"),
+                    Row("rep", 1, 2, "b", state, reason, source)]
+    assert all_ready(rows) is (state == "ready")
+
+
+def test_from_the_other_node_the_roles_swap() -> None:
+    rows = cluster_rows(REPLICAS, "b", {"rep": ("degraded", "waiting")},
+                        {"a": PeerView("a", (PeerShard("rep", 0, "a", "ready", "", ""),))},
+                        {"a": "10.0.0.1:9470"})
+    assert [(r.node, r.state, r.source) for r in rows] == [
+        ("a", "ready", "supervisor on a (plain HTTP)"), ("b", "degraded", "systemd")]
