@@ -62,7 +62,7 @@ def click_options(command: click.Command) -> tuple[Option, ...]:
 
 def argparse_options(parser: argparse.ArgumentParser) -> tuple[Option, ...]:
     out = []
-    for action in parser._actions:  # noqa: SLF001 - argparse has no public list of them
+    for action in parser._actions:  # argparse has no public list of them
         if not action.option_strings:
             continue
         takes = action.nargs != 0
