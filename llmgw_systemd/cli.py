@@ -59,18 +59,28 @@ def _fail(prog: str, exc: LlmgwError) -> NoReturn:
     sys.exit(2 if isinstance(exc, BadInput) else 1)
 
 
+# Options every command shares, defined once.
+VERSION_OPTION = click.option("--version", is_flag=True, is_eager=True, expose_value=False,
+                              callback=lambda ctx, _param, value: _print_version(ctx, value),
+                              help="Show the version and exit.")
+NODE_OPTION = click.option("--node", metavar="NAME",
+                           help="This node's name, as the spec's nodes[].name says it "
+                                "[default: this machine's host name].")
+USER_OPTION = click.option("--user", "user_manager", is_flag=True,
+                           help="Work with the per-user manager (systemctl --user) "
+                                "instead of the system one, as the tests do.")
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("specs", nargs=-1, required=True, metavar="SPEC...")
-@click.option("--node", metavar="NAME",
-              help="Render this node's shards [default: this machine's host name].")
+@NODE_OPTION
 @click.option("--output", metavar="DIR",
               help=f"Unit directory [default: {SYSTEM_UNIT_DIR}, or the user unit directory "
                    "with --user].")
 @click.option("--dry-run", is_flag=True,
               help="Print what would be created, changed and removed (and, with --apply, "
                    "restarted, started and stopped); change nothing.")
-@click.option("--user", "user_manager", is_flag=True,
-              help="Render for a per-user manager (systemctl --user), as tests do.")
+@USER_OPTION
 @click.option("--allow-empty", is_flag=True,
               help="Accept a node that has no shard (its old units are then removed).")
 @click.option("--apply", "apply_", is_flag=True,
@@ -80,9 +90,7 @@ def _fail(prog: str, exc: LlmgwError) -> NoReturn:
 @click.option("--start", "start_new", is_flag=True,
               help="With --apply: start new replicas even when their spec does not say "
                    "enable: true.")
-@click.option("--version", is_flag=True, is_eager=True, expose_value=False,
-              callback=lambda ctx, _param, value: _print_version(ctx, value),
-              help="Show the version and exit.")
+@VERSION_OPTION
 def render_command(specs: tuple[str, ...], node: str | None, output: str | None,
                    dry_run: bool, user_manager: bool, allow_empty: bool, apply_: bool,
                    start_new: bool) -> None:
@@ -221,9 +229,7 @@ DEFAULT_TLS_DIR = "/etc/llmgw/tls"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--version", is_flag=True, is_eager=True, expose_value=False,
-              callback=lambda ctx, _param, value: _print_version(ctx, value),
-              help="Show the version and exit.")
+@VERSION_OPTION
 def systemd_group() -> None:
     """Operate llmgw-systemd shards on this node."""
 
@@ -232,8 +238,8 @@ def systemd_group() -> None:
 @click.argument("name", required=False)
 @click.option("--spec", "specs", multiple=True, metavar="PATH",
               help=f"Spec file or folder (repeatable) [default: {DEFAULT_SPECS[0]}].")
-@click.option("--node", metavar="NAME", help="This node's name [default: the host name].")
-@click.option("--user", "user_manager", is_flag=True, help="Read the user manager.")
+@NODE_OPTION
+@USER_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--cluster", is_flag=True,
               help="Every rank of these replicas, the other nodes' as their own supervisors "
@@ -386,9 +392,8 @@ def _endpoint_option(option: str, text: str) -> tuple[str, int]:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("specs", nargs=-1, metavar="[SPEC]...")
-@click.option("--node", metavar="NAME", help="This node's name [default: the host name].")
-@click.option("--user", "user_manager", is_flag=True,
-              help="Watch the user manager (systemctl --user) instead of the system one.")
+@NODE_OPTION
+@USER_OPTION
 @click.option("--listen", default="127.0.0.1:9470", show_default=True, metavar="ADDR:PORT",
               help="Where the API listens (TLS when configured); the node's address to "
                    "serve its peers; IPv6 as [ADDR]:PORT.")
@@ -410,9 +415,7 @@ def _endpoint_option(option: str, text: str) -> tuple[str, int]:
 @click.option("--peer-timeout", type=click.FloatRange(0.1, 120), default=2.0,
               show_default=True, metavar="SECONDS",
               help="Bound on a peer fetch beyond its long-poll wait (connect, TLS, body).")
-@click.option("--version", is_flag=True, is_eager=True, expose_value=False,
-              callback=lambda ctx, _param, value: _print_version(ctx, value),
-              help="Show the version and exit.")
+@VERSION_OPTION
 def supervisor_command(specs: tuple[str, ...], node: str | None, user_manager: bool,
                        listen: str, local: str | None, peer_port: int | None,
                        tls_cert: str | None, tls_key: str | None, tls_ca: str | None,

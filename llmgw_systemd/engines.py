@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .endpoint import Endpoint
+from .errors import unreachable
 from .spec import Replica, flag_value
 
 # ray start --block exits 1 when systemd stops it with SIGTERM (docs/engines.md);
@@ -21,9 +22,10 @@ RAY_CLEAN_EXIT = (1,)
 RAY_KILL_MODE = "mixed"
 # A worker stopped while it still joins its head ignores SIGTERM (seen: a stop 8 s into
 # start-up on a loaded machine), and would end failed with Result=timeout, which starts
-# the restart unit. So Ray units stop through llmgw-stop-group --main-first too: SIGTERM
-# to `ray start` alone, SIGKILL to the group inside the stop if it is still there; SIGKILL
-# of the main process then counts as clean.
+# the restart unit. So a worker's `ray start` stops through llmgw-stop-group --main-first:
+# SIGTERM to it alone, SIGKILL to the group inside the stop if it is still there; SIGKILL
+# of the main process then counts as clean. The head keeps plain KillMode=mixed: its stop
+# races the leader's restart delay, and the helper adds its own start-up to that stop.
 RAY_CLEAN_SIGNALS = ("SIGKILL",)
 # On SIGTERM `ray start` first drains its node for up to 30 s (meant for Ray Serve's
 # proxies); a worker whose head is gone waits all of it, past the stop timeout. A vLLM
@@ -83,13 +85,15 @@ def _wildcard(address: str) -> str:
 
 
 def shard_steps(replica: Replica, rank: int) -> tuple[Step, ...]:
-    if replica.engine == "command":
+    engine = replica.engine
+    if engine == "command":
         return _command_steps(replica, rank)
-    if replica.engine == "sglang":
+    if engine == "sglang":
         return (_sglang_step(replica, rank),)
-    if replica.launch_mode == "mp":
-        return (_vllm_mp_step(replica, rank),)
-    return _vllm_ray_steps(replica, rank)
+    if engine == "vllm":
+        return ((_vllm_mp_step(replica, rank),) if replica.launch_mode == "mp"
+                else _vllm_ray_steps(replica, rank))
+    unreachable(engine)
 
 
 def served_model_name(replica: Replica) -> str:
@@ -164,7 +168,6 @@ def _vllm_ray_steps(replica: Replica, rank: int) -> tuple[Step, ...]:
               *ray_common[:-1], *replica.ray_head_args, "--block"),
         frees=(Endpoint(_wildcard(address), head.port),), env=(*ray_env, RAY_NO_DRAIN),
         clean_exit_statuses=RAY_CLEAN_EXIT, credential_env=token, kill_mode=RAY_KILL_MODE,
-        clean_exit_signals=RAY_CLEAN_SIGNALS, stop_with_grace=True,
     )
     server = Step(
         name="engine", role="vLLM server on the Ray cluster",

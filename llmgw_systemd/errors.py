@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
+
+def unreachable(value: NoReturn) -> NoReturn:
+    """The end of an exhaustive match over a closed vocabulary (a Literal type): mypy
+    fails here if a value was left unhandled; at run time it never is."""
+    raise AssertionError(f"unhandled value {value!r}")
+
 
 class LlmgwError(Exception):
     """Base of every error raised on purpose; entry points exit 1 on it."""

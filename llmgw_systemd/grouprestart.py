@@ -6,8 +6,12 @@ recreations in 90 s). Times are seconds on a monotonic clock, passed in."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-NOW, WAIT, GIVE_UP = "now", "wait", "give-up"
+Action = Literal["now", "wait", "give-up"]
+NOW: Action = "now"
+WAIT: Action = "wait"
+GIVE_UP: Action = "give-up"
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,7 @@ class GroupRestartPolicy:
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # NOW, WAIT or GIVE_UP
+    action: Action
     at: float  # when to restart (NOW, WAIT)
     reason: str
 

@@ -12,13 +12,18 @@ import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from .errors import InstallError
 from .unitheader import is_ours
 
 OUR_NAME_RE = re.compile(r"llmgw-[A-Za-z0-9:_.-]+\.(service|target)\Z")
 TEMP_SUFFIX = ".llmgw-tmp"
-CREATE, UPDATE, REMOVE, KEEP = "create", "update", "remove", "keep"
+Action = Literal["create", "update", "remove", "keep"]
+CREATE: Action = "create"
+UPDATE: Action = "update"
+REMOVE: Action = "remove"
+KEEP: Action = "keep"
 
 
 @dataclass(frozen=True)
@@ -26,7 +31,7 @@ class Change:
     """One file's fate: created, updated, removed or kept, with old and new text."""
 
     name: str
-    action: str  # CREATE, UPDATE, REMOVE or KEEP
+    action: Action
     old: str | None
     new: str | None
 
@@ -38,7 +43,7 @@ class Survey:
     changes: tuple[Change, ...]
     notes: tuple[str, ...]  # things left alone on purpose, for the user to know
 
-    def count(self, action: str) -> int:
+    def count(self, action: Action) -> int:
         return sum(1 for c in self.changes if c.action == action)
 
     @property

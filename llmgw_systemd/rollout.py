@@ -20,10 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from .plan import ShardPlan
 from .unitheader import replica_of
 
+# What a step does: a systemctl verb, or the writing of the files.
+Verb = Literal["stop", "reset-failed", "disable", "write", "daemon-reload", "enable",
+               "restart", "start"]
 # A replica runs when its target or one of its members is in one of these states.
 RUNNING_STATES = frozenset({"active", "activating", "reloading"})
 # Members still up (even on their way down) when their file is about to go.
@@ -80,7 +84,7 @@ class UnitState:
 class Step:
     """One systemctl call (or the writing of the files)."""
 
-    verb: str  # stop, reset-failed, disable, write, daemon-reload, enable, restart, start
+    verb: Verb
     units: tuple[str, ...] = ()
 
 

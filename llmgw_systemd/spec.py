@@ -10,7 +10,7 @@ import posixpath
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Literal, TypeVar
 
 from .endpoint import Endpoint, is_host, is_ip, parse_endpoint
 from .errors import SpecError
@@ -19,8 +19,11 @@ from .yamldoc import Document, KeyPath, format_path
 
 T = TypeVar("T")
 
-ENGINES = ("vllm", "sglang", "command")
-LAUNCH_MODES = ("ray", "mp")  # vllm only
+# Closed vocabularies: mypy checks that every match over them is exhaustive.
+Engine = Literal["vllm", "sglang", "command"]
+LaunchMode = Literal["ray", "mp"]  # vllm only
+ENGINES: tuple[Engine, ...] = ("vllm", "sglang", "command")
+LAUNCH_MODES: tuple[LaunchMode, ...] = ("ray", "mp")
 DEFAULT_HTTP_PORT = {"vllm": 8000, "sglang": 30000}
 DEFAULT_RENDEZVOUS_PORT = {("vllm", "ray"): 6379, ("vllm", "mp"): 29500, ("sglang", None): 20000}
 DEFAULT_VIRTUALENV = "/usr/local"
@@ -102,8 +105,8 @@ class Replica:
     """One replica of a model across its nodes, validated."""
 
     name: str
-    engine: str
-    launch_mode: str | None
+    engine: Engine
+    launch_mode: LaunchMode | None
     nodes: tuple[Node, ...]
     port: int | None
     serving_rank: int | None
@@ -176,6 +179,11 @@ ENGINE_KEYS = {
 }
 RAY_ONLY_KEYS = ("ray_args", "ray_head_args", "ray_num_gpus", "ray_auth", "ray_token_file")
 ALL_REPLICA_KEYS = tuple(dict.fromkeys(COMMON_KEYS + sum(ENGINE_KEYS.values(), ())))
+
+
+# The checked spelling -> its Literal value (a lookup, so mypy needs no cast).
+_ENGINE_BY_NAME: dict[str, Engine] = {e: e for e in ENGINES}
+_LAUNCH_MODE_BY_NAME: dict[str, LaunchMode] = {m: m for m in LAUNCH_MODES}
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:
@@ -390,7 +398,7 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
         raise check.fail((*path, "name"), f"expected a replica name of at most "
                          f"{MAX_REPLICA_NAME} characters (it becomes part of unit names); "
                          f"got {len(name)}")
-    engine = check.choice(data["engine"], (*path, "engine"), ENGINES)
+    engine = _ENGINE_BY_NAME[check.choice(data["engine"], (*path, "engine"), ENGINES)]
     for key in data:
         if key not in COMMON_KEYS and key not in ENGINE_KEYS[engine]:
             users = [e for e in ENGINES if key in ENGINE_KEYS[e]]
@@ -399,10 +407,10 @@ def _replica(check: _Checker, raw: Any, path: KeyPath) -> Replica:
             raise check.fail((*path, key), f"'{key}' is not used by engine '{engine}' ({hint})",
                              at_key=True)
 
-    launch_mode = None
+    launch_mode: LaunchMode | None = None
     if engine == "vllm":
-        launch_mode = check.optional(data, "launch_mode", path,
-                                     lambda v, p: check.choice(v, p, LAUNCH_MODES), "ray")
+        launch_mode = _LAUNCH_MODE_BY_NAME[check.optional(
+            data, "launch_mode", path, lambda v, p: check.choice(v, p, LAUNCH_MODES), "ray")]
     nodes = _nodes(check, data["nodes"], (*path, "nodes"), engine, launch_mode)
 
     if engine == "command":
