@@ -304,7 +304,6 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
     sys.exit(0 if all(s.health.state == "ready" for s in statuses) else 3)
 
 
-
 def _table(rows: Sequence[tuple[str, ...]]) -> None:
     """Columns padded to their widest cell; the last one (a reason) left as it is."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
@@ -335,19 +334,17 @@ def _print_cluster(replicas: list[Replica], node: str, statuses: list[ShardStatu
     from .peerclient import PeerError, fetch_shards
     from .tlsconfig import names_node
 
-    context = tls
     address = {n.name: n.address for r in replicas for n in r.nodes if n.name != node}
 
     def ask(peer: str) -> PeerView:
         try:
             answer = fetch_shards(address[peer], peer_port, deadline=timeout,
-                                  ssl_context=context, server_hostname=address[peer])
+                                  ssl_context=tls, server_hostname=address[peer])
         except PeerError as exc:
-            return PeerView(peer, error=str(exc), tls=context is not None)
+            return PeerView(peer, error=str(exc), tls=tls is not None)
         named = bool(answer.peer_cert) and names_node(answer.peer_cert or {}, peer,
                                                       address[peer])
-        return PeerView(answer.node, answer.shards, authenticated=named,
-                        tls=context is not None)
+        return PeerView(answer.node, answer.shards, authenticated=named, tls=tls is not None)
 
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(address)))) as pool:
         views = dict(zip(address, pool.map(ask, address)))

@@ -92,6 +92,7 @@ def node_from_file(text: str, file: str) -> tuple[str | None, str | None]:
 
 
 def is_spec_file(name: str) -> bool:
+    """*.yaml and *.yml, not hidden: the one rule for every reader of a spec folder."""
     return name.endswith(SPEC_SUFFIXES) and not name.startswith(".")
 
 

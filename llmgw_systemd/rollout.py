@@ -127,16 +127,15 @@ def group_files(files: Sequence[tuple[str, str, str | None]], plans: Sequence[Sh
         by_replica.setdefault(replica, {}).setdefault(action, []).append(name)
     out = []
     for replica, actions in sorted(by_replica.items()):
+        fates = {a: tuple(sorted(actions.get(a, ()))) for a in ("create", "update", "remove",
+                                                                 "keep")}
+        names = sorted(n for group in fates.values() for n in group)
         target, enable = targets.get(replica, (f"llmgw-{replica}.target", False))
-        if target not in (*actions.get("remove", ()), *actions.get("keep", ()),
-                          *actions.get("update", ()), *actions.get("create", ())):
-            target = next(iter(sorted(n for a in actions.values() for n in a)))
-        out.append(ReplicaFiles(
-            name=replica, target=target, enable=enable,
-            created=tuple(sorted(actions.get("create", ()))),
-            updated=tuple(sorted(actions.get("update", ()))),
-            removed=tuple(sorted(actions.get("remove", ()))),
-            kept=tuple(sorted(actions.get("keep", ())))))
+        if target not in names:  # a file whose header is unreadable: it stands alone
+            target = names[0]
+        out.append(ReplicaFiles(name=replica, target=target, enable=enable,
+                                created=fates["create"], updated=fates["update"],
+                                removed=fates["remove"], kept=fates["keep"]))
     return out
 
 

@@ -6,9 +6,8 @@ import os
 from collections.abc import Sequence
 
 from .errors import SpecError
+from .generated import is_spec_file
 from .yamldoc import Document, parse
-
-SPEC_SUFFIXES = (".yaml", ".yml")
 
 
 def spec_files(paths: Sequence[str]) -> list[str]:
@@ -17,7 +16,7 @@ def spec_files(paths: Sequence[str]) -> list[str]:
     for path in paths:
         if os.path.isdir(path):
             found = sorted(n for n in os.listdir(path)
-                           if n.endswith(SPEC_SUFFIXES) and not n.startswith("."))
+                           if is_spec_file(n))
             if not found:
                 raise SpecError(path, None, "", "the folder holds no *.yaml spec file")
             files.extend(os.path.join(path, n) for n in found)

@@ -86,12 +86,18 @@ def stop_group(groups: Sequence[Path], grace: float) -> bool:
         return True
     print(f"{PROG}: {len(left)} process(es) still running {grace:g} s after SIGTERM; "
           "sending SIGKILL", flush=True)
+    return not kill_group(groups)
+
+
+def kill_group(groups: Sequence[Path]) -> set[int]:
+    """SIGKILL every member until the group is empty or KILL_WAIT ran out; who is left."""
     deadline = time.monotonic() + KILL_WAIT
+    left = members(groups)
     while left and time.monotonic() < deadline:
         signal_all(left, signal.SIGKILL)
         time.sleep(POLL)
         left = members(groups)
-    return not left
+    return left
 
 
 def stop_main_first(groups: Sequence[Path], main_pid: int, grace: float) -> bool:
@@ -106,12 +112,7 @@ def stop_main_first(groups: Sequence[Path], main_pid: int, grace: float) -> bool
         return True
     print(f"{PROG}: main process {main_pid} still running {grace:g} s after SIGTERM; "
           "sending SIGKILL to the group", flush=True)
-    deadline = time.monotonic() + KILL_WAIT
-    left = members(groups)
-    while left and time.monotonic() < deadline:
-        signal_all(left, signal.SIGKILL)
-        time.sleep(POLL)
-        left = members(groups)
+    kill_group(groups)
     return not _running(main_pid, groups)
 
 

@@ -65,7 +65,11 @@ def test_node_from_file(text: str, result: tuple[str | None, str | None]) -> Non
     ("a.", False), ("_a", False), ("a/b", False), ("ä", False),
 ])
 def test_is_node_name(name: str, ok: bool) -> None:
+    """The fast path's own spelling of the spec's rule (it cannot import spec.py)."""
+    from llmgw_systemd.spec import NODE_NAME_RE
+
     assert g.is_node_name(name) is ok
+    assert bool(NODE_NAME_RE.match(name)) is ok
 
 
 @pytest.mark.parametrize(("scope", "env", "expected"), [

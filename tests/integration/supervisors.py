@@ -90,6 +90,15 @@ class ApiReader:
 
 
 
+def stop_and_show(sups: Sequence[SupervisorProcess]) -> None:
+    """Stop every supervisor by PID, then print each one's log for the test report."""
+    for sup in sups:
+        sup.stop()
+    for sup in sups:
+        print(f"===== {sup.node}: supervisor log")
+        print(sup.tail())
+
+
 class SupervisorProcess(ApiReader):
     """One llmgw-supervisor on one node's user manager, started and stopped by PID."""
 

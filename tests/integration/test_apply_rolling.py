@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from specs import free_port, two_node_replica
-from supervisors import SupervisorProcess
+from supervisors import SupervisorProcess, stop_and_show
 from systemd_harness import Nodes, UserManager, wait_until
 
 pytestmark = pytest.mark.integration
@@ -66,8 +66,4 @@ def test_a_change_applied_node_by_node_ends_ready_on_the_new_units(two_nodes: No
             assert manager.show(ENGINE, "NeedDaemonReload")["NeedDaemonReload"] == "no"
         wait_until(lambda: a.replica("rep")["state"] == "ready", 10, "ready to hold")
     finally:
-        for sup in sups:
-            sup.stop()
-        for sup in sups:
-            print(f"===== {sup.node}: supervisor log")
-            print(sup.tail())
+        stop_and_show(sups)

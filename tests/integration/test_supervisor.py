@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from specs import free_port, two_node_replica
-from supervisors import SupervisorProcess
+from supervisors import SupervisorProcess, stop_and_show
 from systemd_harness import Nodes, UserManager, wait_until
 
 pytestmark = pytest.mark.integration
@@ -49,11 +49,7 @@ def replica(two_nodes: Nodes, tmp_path: Path, request: pytest.FixtureRequest
         leader.systemctl("start", TARGET)
         yield sups[0], sups[1]
     finally:
-        for sup in sups:
-            sup.stop()
-        for sup in sups:
-            print(f"===== {sup.node}: supervisor log")
-            print(sup.tail())
+        stop_and_show(sups)
 
 
 def main_pid(manager: UserManager) -> int:
