@@ -6,7 +6,7 @@ its units are active and its HTTP health endpoint answers; a non-serving rank is
 when all its units have stayed active for a stability window, and its own /health is
 never asked (SGLang's non-zero ranks answer a dummy one). A replica is ready only when
 every rank is; a rank nobody could report on (an unreachable peer) is unknown, which
-makes the replica degraded, never ready (DESIGN.md section 7).
+makes the replica degraded, never ready (docs/design.md §5).
 """
 
 from __future__ import annotations

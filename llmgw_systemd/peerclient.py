@@ -37,7 +37,8 @@ import h11
 from .errors import LlmgwError
 from .evidence import PeerShard
 from .health import STATES
-from .spec import MAX_REPLICA_NAME, NAME_RE, NODE_NAME_RE
+from .spec import MAX_REPLICA_NAME, NODE_NAME_RE
+from .specread import NAME_RE
 
 __all__ = ["PEER_ERROR_KINDS", "PeerAnswer", "PeerError", "ShardReport", "fetch_shards"]
 

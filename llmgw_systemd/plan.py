@@ -1,6 +1,6 @@
 """Spec -> the units of one node, as data (pure).
 
-Per replica R whose nodes include this node (DESIGN.md section 3):
+Per replica R whose nodes include this node (docs/design.md §3):
 
     llmgw-R.target               Wants= + Before= every member; `systemctl enable` hooks
                                  it to boot; stop waits for every member to stop
@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .endpoint import Endpoint
-from .engines import Step, node_env, shard_steps
+from .engines import Step
 from .errors import NoShard
-from .spec import Replica, RestartPolicy, Spec
+from .spec import GPUS_VAR, IFNAME_VARS, Replica, RestartPolicy, Spec
 
 UNIT_PREFIX = "llmgw-"
 SLEEP = "/usr/bin/sleep"  # coreutils, at this path on Debian and RHEL alike
@@ -140,7 +140,7 @@ def plan_node(spec: Spec, node: str, manager: Manager, *, allow_empty: bool = Fa
 
 
 def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
-    steps = shard_steps(replica, rank)
+    steps = replica.engine.steps(replica.name, replica.nodes, rank)
     target = target_name(replica.name)
     restarter = restart_unit_name(replica.name)
     names = [service_name(replica.name, step.name) for step in steps]
@@ -148,7 +148,8 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
     sidecars = tuple(names[:-1])
     n = len(replica.nodes)
     node = replica.nodes[rank]
-    serves = replica.serving_rank == rank
+    http = replica.http
+    serves = http is not None and http.rank == rank
     place = f"rank {rank} of {n} on {node.name}"
     shared_env = _shared_env(replica)
     own_env = node_env(replica, rank)
@@ -190,13 +191,13 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             syslog_identifier=f"{UNIT_PREFIX}{replica.name}-rank{rank}",
         ))
     role = "leader" if rank == 0 else "worker"
-    http = f", serves HTTP on port {replica.port}" if serves else ""
+    serving = f", serves HTTP on port {http.port}" if http is not None and serves else ""
     return ShardPlan(
         replica=replica.name, rank=rank, ranks=n, node=node.name, source=replica.source,
         serves_http=serves, enable=replica.enable,
         target=TargetUnit(
             name=target,
-            description=f"llmgw replica {replica.name}: {place} ({role}{http})",
+            description=f"llmgw replica {replica.name}: {place} ({role}{serving})",
             wants=tuple(names),
             wanted_by="default.target" if manager.user else "multi-user.target",
         ),
@@ -223,6 +224,16 @@ def stop_grace(stop_timeout: int) -> int:
     return max(1, stop_timeout - STOP_MARGIN)
 
 
+def node_env(replica: Replica, rank: int) -> tuple[tuple[str, str], ...]:
+    """Variables every unit of this rank gets from its node's entry: the interface for
+    gloo and NCCL, then the node's own env (which wins over the replica's)."""
+    node = replica.nodes[rank]
+    env: tuple[tuple[str, str], ...] = ()
+    if node.interface is not None:
+        env += tuple((var, node.interface) for var in IFNAME_VARS)
+    return env + node.env
+
+
 def _merged(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
     """One assignment per name, the last one winning (in its first one's place)."""
     return tuple(dict(pairs).items())
@@ -233,7 +244,7 @@ def _shared_env(replica: Replica) -> tuple[tuple[str, str], ...]:
     # as it happens.
     env: tuple[tuple[str, str], ...] = (("PYTHONUNBUFFERED", "1"),)
     if replica.gpus:
-        env += (("CUDA_VISIBLE_DEVICES", ",".join(replica.gpus)),)
+        env += ((GPUS_VAR, ",".join(replica.gpus)),)
     return env
 
 

@@ -53,11 +53,14 @@ def http_probe(host: str, port: int, path: str, timeout: float) -> Probe:
     return Probe(True, f"HTTP 200 in {took:.0f} ms")
 
 
-def completion_probe(host: str, port: int, model: str, timeout: float) -> Probe:
+def completion_probe(host: str, port: int, model: str | None, timeout: float) -> Probe:
     """POST a one-token completion; ok only on HTTP 200 with a choice within timeout
-    (the whole request: a server that accepts and then stalls is not generating)."""
-    body = json.dumps({"model": model, "prompt": "ping", "max_tokens": 1,
-                       "temperature": 0}).encode()
+    (the whole request: a server that accepts and then stalls is not generating). With
+    no model (engine: command) the request names none: the server serves its own."""
+    request: dict[str, object] = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
+    if model is not None:
+        request = {"model": model, **request}
+    body = json.dumps(request).encode()
     answer = _request(host, port, "POST", "/v1/completions", timeout, body)
     if isinstance(answer, Probe):
         return answer

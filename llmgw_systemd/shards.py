@@ -53,9 +53,10 @@ def local_shards(spec: Spec, node: str) -> list[LocalShard]:
 
 def probe_shard(shard: LocalShard) -> Probe | None:
     replica = shard.replica
-    if not shard.serving or replica.port is None:
+    http = replica.http
+    if not shard.serving or http is None:
         return None
-    return http_probe(probe_address(replica.host), replica.port, replica.health.path,
+    return http_probe(probe_address(http.host), http.port, replica.health.path,
                       replica.health.timeout)
 
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import api
-from .engines import served_model_name
 from .errors import LlmgwError, SpecError
 from .evidence import LocalEvidence, PeerEvidence, ProbeEvidence
 from .health import READY
@@ -100,17 +99,17 @@ class Prober:
 
     def run(self) -> None:
         replica, sup = self.shard.replica, self.supervisor
-        host, port = probe_address(replica.host), replica.port
+        http = replica.http
         check = replica.health.generation
         interval = check.interval if self.kind == GENERATION and check else \
             replica.health.interval
-        model = served_model_name(replica)
-        while not self.stop.is_set() and port is not None:
+        while not self.stop.is_set() and http is not None:
+            host, port = probe_address(http.host), http.port
             generation = sup.generation_of(replica.name)
             if generation:
                 started = time.monotonic()
                 if self.kind == GENERATION and check is not None:
-                    result = completion_probe(host, port, model, check.timeout)
+                    result = completion_probe(host, port, http.model, check.timeout)
                     sup.metrics.completion_seconds.labels(replica.name).observe(
                         time.monotonic() - started)
                 else:
@@ -286,7 +285,7 @@ class Supervisor:
             peer_fresh=config.peer_wait + config.peer_timeout + 1.0,
             settle=config.peer_wait + config.peer_timeout + replica.restart.delay + 1.0,
             group_restart=replica.group_restart, require_auth=config.tls is not None,
-            follows_leader=replica.engine != "command" and len(replica.nodes) > 1,
+            follows_leader=replica.engine.follows_leader(len(replica.nodes)),
             completion_fresh=(check.generation.interval + check.generation.timeout + 1.0
                               if check.generation is not None else None))
 
@@ -294,7 +293,7 @@ class Supervisor:
         """One prober per serving shard, one fetcher per peer node: started and stopped
         as the spec changes."""
         wanted_probes = {(s.replica.name, kind): s for s in self.shards
-                         if s.serving and s.replica.port is not None
+                         if s.serving and s.replica.http is not None
                          for kind in (HEALTH, GENERATION)
                          if kind == HEALTH or s.replica.health.generation is not None}
         wanted_peers = {(n.name, n.address) for s in self.shards

@@ -1,7 +1,7 @@
 """The one module that talks to systemd over D-Bus (through pydbus and its GLib
 connection), behind a small interface: snapshot, watch, restart, close.
 
-The traps it handles (DESIGN.md section 9):
+The traps it handles (docs/design.md §9):
 - every call carries a timeout (property reads otherwise block for as long as the
   manager is gone);
 - the connection never exits the process when the bus closes (GLib's default);

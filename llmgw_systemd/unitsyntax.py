@@ -1,6 +1,6 @@
 """Writing values into unit files so systemd reads back exactly what we meant (pure).
 
-Measured on systemd 252 (DESIGN.md section 4): an Exec argument quoted as a JSON string
+Measured on systemd 252 (docs/design.md §4): an Exec argument quoted as a JSON string
 (non-ASCII kept as is) with every '%' and '$' doubled round-trips quotes, backslashes,
 ';', '100%', '$HOME' and emoji. Control characters are rejected outright: a raw
 newline would start a new directive, and no escape of ours is worth the risk.

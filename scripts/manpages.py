@@ -1,7 +1,9 @@
 """Write the man pages (packaging/man/) and bash completions (packaging/completion/) of
 every command from the commands' own definitions: click's for llmgw-render,
 llmgw-systemd and llmgw-supervisor, argparse's for the two unit helpers. Options and
-their help exist once, in the code; the prose around them is the table below.
+their help exist once, in the code; the prose around them is the table below. The
+README's spec key tables come the same way from the key tables the spec reader uses
+(spec.COMMON_KEYS and each engine's entry in llmgw_systemd/engines/).
 
     .venv/bin/python scripts/manpages.py [--check]
 
@@ -17,7 +19,8 @@ from pathlib import Path
 
 import click
 
-from llmgw_systemd import __version__, cli, stopgroup, waitport
+from llmgw_systemd import __version__, cli, spec, stopgroup, waitport
+from llmgw_systemd.engines import ENGINES, SpecKey
 
 ROOT = Path(__file__).resolve().parents[1]
 MAN_DIR = ROOT / "packaging" / "man"
@@ -265,11 +268,38 @@ def completion(cmd: Command) -> str:
     return "\n".join(lines) + "\n"
 
 
+README = ROOT / "README.md"
+KEYS_BEGIN = ("<!-- spec keys: written by scripts/manpages.py from spec.COMMON_KEYS and "
+              "llmgw_systemd/engines/ -->\n")
+KEYS_END = "<!-- end of spec keys -->\n"
+
+
+def key_table(keys: tuple[SpecKey, ...]) -> list[str]:
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{k.name}` | {k.default} | {k.meaning} |" for k in keys]
+    return rows
+
+
+def spec_keys() -> str:
+    lines = ["Every engine:", "", *key_table(spec.COMMON_KEYS)]
+    for entry in ENGINES.values():
+        lines += ["", f"`engine: {entry.name}`: {entry.summary}.", "", *key_table(entry.keys)]
+    return "\n".join(lines) + "\n"
+
+
+def readme() -> str:
+    text = README.read_text(encoding="utf-8")
+    head, rest = text.split(KEYS_BEGIN, 1)
+    _, tail = rest.split(KEYS_END, 1)
+    return f"{head}{KEYS_BEGIN}\n{spec_keys()}\n{KEYS_END}{tail}"
+
+
 def outputs() -> dict[Path, str]:
     out: dict[Path, str] = {}
     for cmd in commands():
         out[MAN_DIR / f"{cmd.name}.{cmd.section}"] = man_page(cmd)
         out[COMPLETION_DIR / cmd.name] = completion(cmd)
+    out[README] = readme()
     return out
 
 

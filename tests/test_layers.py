@@ -12,7 +12,17 @@ import pytest
 import llmgw_systemd
 
 PACKAGE = Path(llmgw_systemd.__file__).parent
-MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+
+
+def _module_name(path: Path) -> str:
+    """'spec', 'engines' (a package's __init__), 'engines.vllm'."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# compiled_templates: Jinja2's output, built into the wheel, not our source
+MODULES = sorted(name for name in map(_module_name, PACKAGE.rglob("*.py"))
+                 if name and not name.startswith("compiled_templates"))
 
 # Decisions and data only: spec rules, plans, health, group restarts, the generator's
 # and --apply's choices. render (loads the package's own templates) and generate (renders
@@ -21,7 +31,9 @@ PURE = {
     "endpoint", "engines", "errors", "evidence", "generated", "grouprestart", "health",
     "cluster", "plan", "replicastate", "rollout", "spec", "templating", "textrules",
     "unitheader",
-    "unitstate", "unitsyntax", "yamldoc",
+    "unitstate", "unitsyntax", "yamldoc", "specread",
+    # every engine module: what it runs is data
+    *(name for name in MODULES if name == "engines" or name.startswith("engines.")),
 }
 # What a pure module must not import: processes, sockets, threads, files, the clock.
 IMPURE_STDLIB = {"os", "socket", "subprocess", "time", "threading", "asyncio", "signal",
@@ -48,7 +60,12 @@ def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
 def imports(module: str) -> set[str]:
     """Every module name imported anywhere in the file at run time (top level or inside
     functions), ours as 'llmgw_systemd.NAME'."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
+    path = PACKAGE.joinpath(*module.split("."))
+    is_package = path.is_dir()
+    source = path / "__init__.py" if is_package else path.with_suffix(".py")
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    # the package a relative import starts from: the module's own if it is a package
+    here = module.split(".") if is_package else module.split(".")[:-1]
     names: set[str] = set()
     for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
@@ -56,11 +73,12 @@ def imports(module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0 and node.module:
                 names.add(node.module)
-            elif node.level == 1:
+            elif node.level > 0:
+                base = ["llmgw_systemd", *here[:len(here) - (node.level - 1)]]
                 if node.module:
-                    names.add(f"llmgw_systemd.{node.module}")
+                    names.add(".".join([*base, node.module]))
                 else:
-                    names.update(f"llmgw_systemd.{alias.name}" for alias in node.names)
+                    names.update(".".join([*base, alias.name]) for alias in node.names)
     names.discard("__future__")
     return names
 

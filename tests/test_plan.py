@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_systemd.engines import served_model_name
 from llmgw_systemd.plan import Manager, plan_shard
 from llmgw_systemd.spec import Replica, build_spec
 from llmgw_systemd.yamldoc import parse
@@ -97,7 +96,7 @@ def test_node_env_wins_once_and_interface_feeds_gloo_and_nccl() -> None:
 def test_served_model_name(args: str, name: str) -> None:
     r = replica(f"engine: vllm\nmodel: /models/x\nargs: {args}\n"
                 "nodes: [{name: a, address: 10.0.0.1}]")
-    assert served_model_name(r) == name
+    assert r.http is not None and r.http.model == name
 
 
 def test_stop_timeout_reaches_every_member() -> None:

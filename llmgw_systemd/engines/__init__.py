@@ -1,0 +1,17 @@
+"""The engine table (pure): one entry per `engine:` value, each from its own module.
+
+Adding an engine means a module with its settings class (base.EngineSettings), its key
+table and reader, one line here, and its render cases; the spec reader, the planner,
+the supervisor and the docs (scripts/manpages.py writes the README's key tables from
+these entries) take everything else from it.
+"""
+
+from __future__ import annotations
+
+from . import command, sglang, vllm
+from .base import EngineEntry, EngineSettings, Http, PortClaim, SpecKey, Step
+
+ENGINES: dict[str, EngineEntry] = {e.name: e for e in (vllm.ENTRY, sglang.ENTRY,
+                                                       command.ENTRY)}
+
+__all__ = ["ENGINES", "EngineEntry", "EngineSettings", "Http", "PortClaim", "SpecKey", "Step"]

@@ -1,0 +1,163 @@
+"""What an engine module provides, and the pieces every engine shares (pure).
+
+An engine module (vllm, sglang, command) holds everything about its engine in one
+place: its spec keys (the table that drives both the reader and the docs), their
+defaults, the environment its units set, the steps each rank runs, which rank serves
+HTTP, which exits are clean. The spec reader (spec.py) reads the keys every engine has
+and hands the rest to the engine's entry; the planner (plan.py) asks the engine for its
+steps and knows nothing else of it (docs/design.md §2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from ..endpoint import Endpoint
+from ..specread import Checker
+from ..yamldoc import KeyPath
+
+if TYPE_CHECKING:
+    from ..spec import Node
+
+
+@dataclass(frozen=True)
+class SpecKey:
+    """One spec key, as the reader allows it and the docs describe it."""
+
+    name: str
+    default: str  # as the docs show it
+    meaning: str
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of a shard's sequence, with what must hold before it starts. Every
+    step but the last is a sidecar that lives as long as the shard; the last is the
+    engine, whose exit is the shard's exit."""
+
+    name: str  # unit name suffix: "ray-head", "engine"
+    role: str  # for people: "Ray head", "vLLM server (Ray leader)"
+    argv: tuple[str, ...]
+    wait_for: tuple[Endpoint, ...] = ()  # must accept TCP connections before the start
+    frees: tuple[Endpoint, ...] = ()  # must be bindable (nobody listening) before the start
+    env: tuple[tuple[str, str], ...] = ()
+    clean_exit_statuses: tuple[int, ...] = ()
+    # (variable, credential name, source file): the variable names the file, loaded as a
+    # credential where the manager can (never the secret itself in the unit)
+    credential_env: tuple[tuple[str, str, str], ...] = ()
+    kill_mode: str = "control-group"  # "mixed" for `ray start`
+    clean_exit_signals: tuple[str, ...] = ()
+    stop_with_grace: bool = False  # ExecStop=llmgw-stop-group: SIGTERM, grace, SIGKILL
+
+
+@dataclass(frozen=True)
+class Http:
+    """The rank that serves HTTP, where the supervisor probes it, and the model name a
+    generation check asks for (None: the request names none and the server picks)."""
+
+    rank: int
+    host: str
+    port: int
+    model: str | None
+
+
+@dataclass(frozen=True)
+class PortClaim:
+    """A port a rank binds, with the key path (in the replica) that set it: two claims
+    of one port on one node are a conflict, reported at both places."""
+
+    rank: int
+    port: int
+    path: KeyPath
+    what: str  # "HTTP", "rendezvous", "command"
+
+
+class EngineSettings(Protocol):
+    """One replica's engine keys, validated, and what follows from them. mypy checks
+    that every engine's settings class provides all of it."""
+
+    @property
+    def name(self) -> str:
+        """The spec's `engine:` value."""
+        ...
+
+    @property
+    def http(self) -> Http | None:
+        """The serving rank, or None when no rank serves HTTP."""
+        ...
+
+    def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
+        """The command sequence of one rank: sidecars first, the engine last."""
+        ...
+
+    def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
+        """Every port the replica's ranks bind."""
+        ...
+
+    def reserved_env(self) -> Mapping[str, str]:
+        """Variables this engine's units set, each with the key it comes from: the
+        spec's env may not set them."""
+        ...
+
+    def follows_leader(self, n_nodes: int) -> bool:
+        """Whether the other ranks cannot serve without rank 0 (one engine across the
+        nodes), so the supervisor restarts them as a group."""
+        ...
+
+    def least_stop_timeout(self) -> tuple[int, str] | None:
+        """The shortest stop_timeout that lets the engine stop cleanly, and why."""
+        ...
+
+
+# Reads an engine's keys from a replica's mapping (already checked for unknown keys),
+# given its nodes (read first: they are common to every engine).
+Reader = Callable[[Checker, Mapping[str, Any], KeyPath, "tuple[Node, ...]"], EngineSettings]
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One row of the engine table (engines/__init__.py)."""
+
+    name: str  # the spec's `engine:` value
+    summary: str  # one line for the docs
+    keys: tuple[SpecKey, ...]
+    read: Reader
+
+    @property
+    def key_names(self) -> tuple[str, ...]:
+        return tuple(k.name for k in self.keys)
+
+
+# Flags whose value is a secret: in a unit file anyone on the node could read it.
+SECRET_FLAGS = ("--api-key", "--hf-token", "--token")
+
+
+def refuse_secret_flags(check: Checker, key: str, args: Sequence[str], path: KeyPath) -> None:
+    for i, arg in enumerate(args):
+        flag = arg.split("=", 1)[0]
+        if flag in SECRET_FLAGS:
+            raise check.fail((*path, key, i), f"'{flag}' would put a secret into a "
+                             "world-readable unit file; set it through environment_file "
+                             "(e.g. VLLM_API_KEY, HF_TOKEN) instead")
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in an argument list (`--flag V` or `--flag=V`), if given."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def wildcard(address: str) -> str:
+    """The wildcard address of the node's family: what a bind test must try."""
+    return "::" if ":" in address else "0.0.0.0"  # noqa: S104 - a bind test, not a listener
+
+
+def uses_rendezvous(n_nodes: int) -> bool:
+    """A rendezvous port is bound on rank 0 only when there are ranks to meet."""
+    return n_nodes > 1

@@ -1,0 +1,94 @@
+"""SGLang (pure): every rank runs `python -m sglang.launch_server`, ranks >= 1 after
+rank 0's `--dist-init-addr` accepts connections.
+
+SGLang cannot run on this machine (no GPU); its units are checked against a stand-in that
+parses the real SGLang's arguments (tests/engines), and no clean exit beyond 0 is
+assumed, because none is measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..endpoint import Endpoint
+from ..specread import Checker
+from ..yamldoc import KeyPath
+from .base import EngineEntry, Http, PortClaim, Step, flag_value, uses_rendezvous, wildcard
+from .server import Server, read_server, server_keys
+
+if TYPE_CHECKING:
+    from ..spec import Node
+
+HTTP_PORT = 30000
+RENDEZVOUS_PORT = 20000
+
+
+@dataclass(frozen=True)
+class Sglang:
+    server: Server
+
+    @property
+    def name(self) -> str:
+        return "sglang"
+
+    @property
+    def http(self) -> Http:
+        model = flag_value(self.server.args, "--served-model-name") or self.server.model
+        return Http(0, self.server.host, self.server.port, model)
+
+    def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
+        server = self.server
+        argv: tuple[str, ...] = (server.bin("python"), "-m", "sglang.launch_server",
+                                 "--model-path", server.model, *server.http_args(),
+                                 "--tp-size", str(server.tensor_parallel_size))
+        if server.pipeline_parallel_size > 1:
+            argv += ("--pp-size", str(server.pipeline_parallel_size))
+        n = len(nodes)
+        wait_for: tuple[Endpoint, ...] = ()
+        frees: tuple[Endpoint, ...] = ()
+        role = "SGLang server"
+        if uses_rendezvous(n):
+            init = Endpoint(nodes[0].address, server.rendezvous_port)
+            argv += ("--nnodes", str(n), "--node-rank", str(rank), "--dist-init-addr",
+                     str(init))
+            if rank > 0:
+                wait_for = (init,)
+                role = f"SGLang rank {rank}"
+            else:
+                frees = (Endpoint(wildcard(nodes[rank].address), init.port),)
+        return (Step(name="engine", role=role, argv=argv + server.args, wait_for=wait_for,
+                     frees=frees),)
+
+    def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
+        http = PortClaim(0, self.server.port, ("port",), "HTTP")
+        if not uses_rendezvous(n_nodes):
+            return (http,)
+        return (http, PortClaim(0, self.server.rendezvous_port, ("rendezvous_port",),
+                                "rendezvous"))
+
+    def reserved_env(self) -> Mapping[str, str]:
+        return {}
+
+    def follows_leader(self, n_nodes: int) -> bool:
+        return n_nodes > 1
+
+    def least_stop_timeout(self) -> tuple[int, str] | None:
+        return None
+
+
+def read(check: Checker, data: Mapping[str, Any], path: KeyPath, nodes: tuple[Node, ...]
+         ) -> Sglang:
+    return Sglang(read_server(check, data, path, "sglang", http_port=HTTP_PORT,
+                              rendezvous_port=RENDEZVOUS_PORT))
+
+
+ENTRY = EngineEntry(
+    name="sglang",
+    summary="SGLang (`python -m sglang.launch_server`), one server across the nodes",
+    keys=server_keys(http_port=HTTP_PORT, rendezvous_port=str(RENDEZVOUS_PORT),
+                     tp_flag="`--tp-size`, which spans all nodes",
+                     pp_flag="`--pp-size`, given when above 1", commands="`python`"),
+    read=read,
+)

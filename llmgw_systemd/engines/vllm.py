@@ -1,0 +1,343 @@
+"""vLLM, in its two launch modes (pure): everything about it in one place.
+
+- `ray`: rank 0 runs a Ray head sidecar and `vllm serve --distributed-executor-backend
+  ray`; the other ranks run only `ray start --address=HEAD --block`.
+- `mp`: every rank runs `vllm serve --nnodes N --node-rank K --master-addr ...`,
+  `--headless` on ranks >= 1.
+
+What the real vLLM and Ray do that these units rely on is measured in docs/engines.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+from ..endpoint import Endpoint, is_ip
+from ..errors import unreachable
+from ..specread import Checker
+from ..yamldoc import KeyPath
+from .base import (
+    EngineEntry,
+    Http,
+    PortClaim,
+    SpecKey,
+    Step,
+    flag_value,
+    refuse_secret_flags,
+    uses_rendezvous,
+    wildcard,
+)
+from .server import Server, read_server, server_keys
+
+if TYPE_CHECKING:
+    from ..spec import Node
+
+LaunchMode = Literal["ray", "mp"]
+LAUNCH_MODES: tuple[LaunchMode, ...] = ("ray", "mp")
+_LAUNCH_MODE_BY_NAME: dict[str, LaunchMode] = {m: m for m in LAUNCH_MODES}
+HTTP_PORT = 8000
+RENDEZVOUS_PORT: dict[LaunchMode, int] = {"ray": 6379, "mp": 29500}
+RayAuth = Literal["disabled", "token"]
+RAY_AUTH_MODES: tuple[RayAuth, ...] = ("disabled", "token")
+_RAY_AUTH_BY_NAME: dict[str, RayAuth] = {m: m for m in RAY_AUTH_MODES}
+DEFAULT_RAY_TOKEN_FILE = "/etc/llmgw/ray-token"  # noqa: S105 - a path, not a secret
+# vLLM's --shutdown-timeout (drain in-flight requests) must end before systemd's SIGKILL.
+SHUTDOWN_MARGIN = 10
+
+# ray start --block exits 1 when systemd stops it with SIGTERM (docs/engines.md);
+# counting 1 as clean keeps a plain `systemctl stop` from leaving the unit failed.
+RAY_CLEAN_EXIT = (1,)
+# `ray start --block` drains its node through the GCS when it gets SIGTERM; signalled
+# together with its children (KillMode=control-group) a head waits 30 s for its own GCS
+# that is already gone; alone (mixed) it stops in 2 s, and systemd SIGKILLs what is
+# left (measured: docs/engines.md).
+RAY_KILL_MODE = "mixed"
+# A worker stopped while it still joins its head ignores SIGTERM (seen: a stop 8 s into
+# start-up on a loaded machine), and would end failed with Result=timeout, which starts
+# the restart unit. So a worker's `ray start` stops through llmgw-stop-group --main-first:
+# SIGTERM to it alone, SIGKILL to the group inside the stop if it is still there; SIGKILL
+# of the main process then counts as clean. The head keeps plain KillMode=mixed: its stop
+# races the leader's restart delay, and the helper adds its own start-up to that stop.
+RAY_CLEAN_SIGNALS = ("SIGKILL",)
+# On SIGTERM `ray start` first drains its node for up to 30 s (meant for Ray Serve's
+# proxies); a worker whose head is gone waits all of it, past the stop timeout. A vLLM
+# replica gains nothing from the drain: off, unless the spec's env sets it.
+RAY_NO_DRAIN = ("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
+# The real vllm serve 0.32 exits 0 on SIGTERM once ready, but 1 when stopped while it
+# still starts (waiting for Ray's placement group or for its mp peers), in every mode
+# (docs/engines.md). Either is a clean stop. It also exits 0 after its engine died:
+# Restart=always, not on-failure, is what brings it back.
+VLLM_CLEAN_EXIT = (1,)
+# A vLLM rank blocked in its rendezvous ignores SIGTERM (an mp rank 0 waiting for its
+# peers). The units stop vLLM through llmgw-stop-group, which SIGKILLs what is left after
+# a grace period inside the stop; so SIGKILL of the main process counts as clean too.
+VLLM_CLEAN_SIGNALS = ("SIGKILL",)
+# The Ray token reaches the processes as a file named by RAY_AUTH_TOKEN_PATH; under the
+# system manager the file comes in through LoadCredential= under this name.
+RAY_TOKEN_CREDENTIAL = "ray-token"  # noqa: S105 - a credential name, not a secret
+# Ray puts AF_UNIX sockets under <temp-dir>/session_<date>_<pid>/sockets/<name>,
+# and sun_path holds 107 bytes: the temp dir must stay short.
+RAY_TEMP_DIR_MAX = 40
+
+
+@dataclass(frozen=True)
+class RayLaunch:
+    """launch_mode ray: a Ray cluster of the replica's nodes, its head on rank 0."""
+
+    args: tuple[str, ...] = ()  # on every `ray start`
+    head_args: tuple[str, ...] = ()  # on the head's only
+    num_gpus: int | None = None
+    auth: RayAuth = "disabled"
+    token_file: str | None = None  # set exactly when auth is "token"
+
+
+@dataclass(frozen=True)
+class MpLaunch:
+    """launch_mode mp: vLLM's own multiprocessing executor across the nodes."""
+
+
+Launch = Union[RayLaunch, MpLaunch]
+
+
+@dataclass(frozen=True)
+class Vllm:
+    server: Server
+    launch: Launch
+    distributed_timeout: int | None  # --distributed-timeout-seconds; None: vLLM's own
+
+    @property
+    def name(self) -> str:
+        return "vllm"
+
+    @property
+    def http(self) -> Http:
+        # completions must name the served model: the first --served-model-name, else
+        # the model itself
+        model = flag_value(self.server.args, "--served-model-name") or self.server.model
+        return Http(0, self.server.host, self.server.port, model)
+
+    def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
+        if isinstance(self.launch, RayLaunch):
+            return _ray_steps(self, self.launch, replica, nodes, rank)
+        if isinstance(self.launch, MpLaunch):
+            return (_mp_step(self, nodes, rank),)
+        unreachable(self.launch)
+
+    def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
+        http = PortClaim(0, self.server.port, ("port",), "HTTP")
+        # a Ray head binds its port even alone; mp binds the master port only for peers
+        if isinstance(self.launch, RayLaunch) or uses_rendezvous(n_nodes):
+            return (http, PortClaim(0, self.server.rendezvous_port, ("rendezvous_port",),
+                                    "rendezvous"))
+        return (http,)
+
+    def reserved_env(self) -> Mapping[str, str]:
+        own = {"VLLM_HOST_IP": "each node's address"}
+        if isinstance(self.launch, RayLaunch):
+            own.update({"RAY_ADDRESS": "the leader's address and rendezvous_port",
+                        "RAY_AUTH_MODE": "ray_auth",
+                        "RAY_AUTH_TOKEN_PATH": "ray_auth and ray_token_file"})
+        return own
+
+    def follows_leader(self, n_nodes: int) -> bool:
+        return n_nodes > 1
+
+    def least_stop_timeout(self) -> tuple[int, str] | None:
+        drain = flag_value(self.server.args, "--shutdown-timeout")
+        if drain is None or not drain.isdigit():
+            return None
+        return (int(drain) + SHUTDOWN_MARGIN, f"vLLM's --shutdown-timeout ({drain} s) + "
+                f"{SHUTDOWN_MARGIN} s, or systemd kills the engine while it drains")
+
+
+RAY_KEYS = ("ray_args", "ray_head_args", "ray_num_gpus", "ray_auth", "ray_token_file")
+KEYS = (
+    SpecKey("launch_mode", "`ray`", "`ray`: rank 0 runs a Ray head sidecar and `vllm serve "
+            "--distributed-executor-backend ray` (with `RAY_ADDRESS`, `VLLM_HOST_IP`); the "
+            "other ranks run only `ray start --address=LEADER:PORT --block`. `mp`: every "
+            "rank runs `vllm serve --nnodes N --node-rank K --master-addr LEADER "
+            "--master-port P`, `--headless` on ranks >= 1."),
+    *server_keys(http_port=HTTP_PORT, rendezvous_port="ray 6379, mp 29500",
+                 tp_flag="`--tensor-parallel-size`", pp_flag="`--pipeline-parallel-size`",
+                 commands="`vllm` and `ray`"),
+    SpecKey("distributed_timeout", "vLLM's own", "`--distributed-timeout-seconds`: how long "
+            "ranks wait for each other in torch.distributed; with mp a lone rank 1 exits "
+            "after about twice this"),
+    SpecKey("ray_args", "none", "(ray) appended to every `ray start` (e.g. `--num-cpus=16`, "
+            "distinct ports when two Ray replicas share a node)"),
+    SpecKey("ray_head_args", "none", "(ray) appended to the head's `ray start --head` only "
+            "(e.g. `--include-dashboard=false`, `--dashboard-port=8300`, which Ray refuses "
+            "on workers)"),
+    SpecKey("ray_num_gpus", "Ray's own detection", "(ray) `--num-gpus=N` on every `ray "
+            "start`: vLLM places one tensor-parallel worker per Ray GPU"),
+    SpecKey("ray_auth", "`disabled`", "(ray) stated on every Ray process (`RAY_AUTH_MODE`), "
+            "because left unset a Ray head turns token auth on by itself once "
+            "`~/.ray/auth_token` exists and then workers without it fail to join after "
+            "~20 s. `token`: every node reads the same token from `ray_token_file` (the "
+            "system unit loads it with `LoadCredential=`, so it can stay root-only and never "
+            "appears in a unit; `RAY_AUTH_TOKEN_PATH` names it). Use `token` wherever the "
+            "Ray port is reachable from more than the replica's own nodes: Ray without auth "
+            "runs whatever anyone who reaches it submits."),
+    SpecKey("ray_token_file", f"`{DEFAULT_RAY_TOKEN_FILE}` with `ray_auth: token`",
+            "(ray) the token file, the same bytes on every node (e.g. `openssl rand -hex 32 "
+            "> /etc/llmgw/ray-token; chmod 600`); a missing file fails the units at start "
+            "with status 243/CREDENTIALS, naming it in the journal"),
+)
+
+
+def read(check: Checker, data: Mapping[str, Any], path: KeyPath, nodes: tuple[Node, ...]
+         ) -> Vllm:
+    mode = _LAUNCH_MODE_BY_NAME[check.optional(
+        data, "launch_mode", path, lambda v, p: check.choice(v, p, LAUNCH_MODES), "ray")]
+    server = read_server(check, data, path, "vllm", http_port=HTTP_PORT,
+                         rendezvous_port=RENDEZVOUS_PORT[mode])
+    for rank, node in enumerate(nodes):
+        if not is_ip(node.address):
+            raise check.fail((*path, "nodes", rank, "address"), "expected an IP address "
+                             f"(vLLM needs VLLM_HOST_IP per node); got '{node.address}'")
+    launch: Launch
+    if mode == "ray":
+        launch = _read_ray(check, data, path)
+    elif mode == "mp":
+        for key in RAY_KEYS:
+            if key in data:
+                raise check.fail((*path, key), f"'{key}' applies only to launch_mode 'ray'",
+                                 at_key=True)
+        launch = MpLaunch()
+    else:
+        unreachable(mode)
+    return Vllm(server, launch, check.optional(
+        data, "distributed_timeout", path,
+        lambda v, p: check.integer(v, p, 1, 86400, "a timeout in seconds"), None))
+
+
+def _read_ray(check: Checker, data: Mapping[str, Any], path: KeyPath) -> RayLaunch:
+    args: tuple[str, ...] = check.optional(
+        data, "ray_args", path, lambda v, p: check.str_list(v, p, "'ray start' arguments"), ())
+    head_args: tuple[str, ...] = check.optional(
+        data, "ray_head_args", path,
+        lambda v, p: check.str_list(v, p, "'ray start --head' arguments"), ())
+    refuse_secret_flags(check, "ray_args", args, path)
+    refuse_secret_flags(check, "ray_head_args", head_args, path)
+    num_gpus = check.optional(data, "ray_num_gpus", path, lambda v, p: check.integer(
+        v, p, 0, 4096, "the GPUs each Ray node offers"), None)
+    auth = _RAY_AUTH_BY_NAME[check.optional(
+        data, "ray_auth", path, lambda v, p: check.choice(v, p, RAY_AUTH_MODES), "disabled")]
+    token_file = check.optional(data, "ray_token_file", path,
+                                lambda v, p: check.abs_path(v, p, "the Ray token file"), None)
+    if token_file is not None and auth != "token":
+        raise check.fail((*path, "ray_token_file"), "a token file needs ray_auth: token",
+                         at_key=True)
+    if auth == "token" and token_file is None:
+        token_file = DEFAULT_RAY_TOKEN_FILE
+    return RayLaunch(args, head_args, num_gpus, auth, token_file)
+
+
+ENTRY = EngineEntry(
+    name="vllm",
+    summary="vLLM (`vllm serve`), on a Ray cluster of the nodes or with its own "
+            "multiprocessing executor",
+    keys=KEYS,
+    read=read,
+)
+
+
+def ray_temp_dir(replica: str, rank: int) -> str:
+    """A Ray session root per replica and rank: two Ray nodes sharing one (two replicas
+    on a node, or two ranks on one test machine) break each other (docs/design.md §7)."""
+    plain = f"/tmp/ray-{replica}-{rank}"  # noqa: S108 - Ray's own default root is /tmp/ray
+    if len(plain) <= RAY_TEMP_DIR_MAX:
+        return plain
+    digest = hashlib.sha256(replica.encode()).hexdigest()[:8]
+    keep = RAY_TEMP_DIR_MAX - len(f"/tmp/ray--{digest}-{rank}")  # noqa: S108
+    return f"/tmp/ray-{replica[:keep]}-{digest}-{rank}"  # noqa: S108
+
+
+def _parallel_args(vllm: Vllm) -> tuple[str, ...]:
+    return ("--tensor-parallel-size", str(vllm.server.tensor_parallel_size),
+            "--pipeline-parallel-size", str(vllm.server.pipeline_parallel_size))
+
+
+def _distributed_args(vllm: Vllm) -> tuple[str, ...]:
+    if vllm.distributed_timeout is None:
+        return ()
+    return ("--distributed-timeout-seconds", str(vllm.distributed_timeout))
+
+
+def _ray_auth(ray: RayLaunch) -> tuple[tuple[tuple[str, str], ...],
+                                      tuple[tuple[str, str, str], ...]]:
+    """Ray's auth settings for every process that talks to the cluster: stated always,
+    because a Ray head turns token auth on by itself once ~/.ray/auth_token exists, and
+    then workers without the token fail to join (docs/engines.md)."""
+    mode = (("RAY_AUTH_MODE", ray.auth),)
+    if ray.token_file is not None:
+        return mode, (("RAY_AUTH_TOKEN_PATH", RAY_TOKEN_CREDENTIAL, ray.token_file),)
+    return mode, ()
+
+
+def _ray_steps(vllm: Vllm, ray: RayLaunch, replica: str, nodes: Sequence[Node], rank: int
+               ) -> tuple[Step, ...]:
+    server = vllm.server
+    address = nodes[rank].address
+    head = Endpoint(nodes[0].address, server.rendezvous_port)
+    auth, token = _ray_auth(ray)
+    ray_env = (("VLLM_HOST_IP", address), *auth)
+    gpus = () if ray.num_gpus is None else (f"--num-gpus={ray.num_gpus}",)
+    ray_common = (f"--node-ip-address={address}", f"--temp-dir={ray_temp_dir(replica, rank)}",
+                  "--disable-usage-stats", *gpus, *ray.args)
+    if rank > 0:
+        return (Step(
+            name="engine", role=f"Ray worker joining {head}",
+            argv=(server.bin("ray"), "start", f"--address={head}", *ray_common, "--block"),
+            wait_for=(head,), env=(*ray_env, RAY_NO_DRAIN), clean_exit_statuses=RAY_CLEAN_EXIT,
+            credential_env=token, kill_mode=RAY_KILL_MODE, clean_exit_signals=RAY_CLEAN_SIGNALS,
+            stop_with_grace=True,
+        ),)
+    ray_head = Step(
+        name="ray-head", role=f"Ray head on port {head.port}",
+        argv=(server.bin("ray"), "start", "--head", f"--port={head.port}", *ray_common,
+              *ray.head_args, "--block"),
+        frees=(Endpoint(wildcard(address), head.port),), env=(*ray_env, RAY_NO_DRAIN),
+        clean_exit_statuses=RAY_CLEAN_EXIT, credential_env=token, kill_mode=RAY_KILL_MODE,
+    )
+    engine = Step(
+        name="engine", role="vLLM server on the Ray cluster",
+        argv=(server.bin("vllm"), "serve", server.model, *server.http_args(),
+              *_parallel_args(vllm), "--distributed-executor-backend", "ray",
+              *_distributed_args(vllm), *server.args),
+        wait_for=(head,), env=(*ray_env, ("RAY_ADDRESS", str(head))),
+        clean_exit_statuses=VLLM_CLEAN_EXIT, credential_env=token,
+        clean_exit_signals=VLLM_CLEAN_SIGNALS, stop_with_grace=True,
+    )
+    return (ray_head, engine)
+
+
+def _mp_step(vllm: Vllm, nodes: Sequence[Node], rank: int) -> Step:
+    server = vllm.server
+    address = nodes[rank].address
+    argv: tuple[str, ...] = (server.bin("vllm"), "serve", server.model)
+    if rank == 0:
+        argv += server.http_args()
+    argv += (*_parallel_args(vllm), "--distributed-executor-backend", "mp",
+             *_distributed_args(vllm))
+    frees: tuple[Endpoint, ...] = ()
+    role = "vLLM server"
+    n = len(nodes)
+    if uses_rendezvous(n):
+        master = Endpoint(nodes[0].address, server.rendezvous_port)
+        argv += ("--nnodes", str(n), "--node-rank", str(rank), "--master-addr", master.host,
+                 "--master-port", str(master.port))
+        if rank > 0:
+            # No wait for the master port: vLLM's rank >= 1 retries it by itself, so its
+            # slow start-up (imports, model config) overlaps rank 0's instead of following
+            # it (13 s of a 68 s start here: bench/engines.py, docs/engines.md).
+            argv += ("--headless",)
+            role = f"vLLM headless rank {rank}"
+        else:
+            frees = (Endpoint(wildcard(address), master.port),)
+    return Step(name="engine", role=role, argv=argv + server.args, frees=frees,
+                env=(("VLLM_HOST_IP", address),), clean_exit_statuses=VLLM_CLEAN_EXIT,
+                clean_exit_signals=VLLM_CLEAN_SIGNALS, stop_with_grace=True)
