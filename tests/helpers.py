@@ -30,7 +30,7 @@ def exec_paths(unit_text: str) -> set[str]:
 
 
 def verify_units(units: dict[str, str], root: Path, *, user: bool = False) -> None:
-    """systemd-analyze verify, offline (DESIGN.md section 5); any stderr fails.
+    """systemd-analyze verify, offline (docs/design.md §6); any stderr fails.
 
     System units are checked in a scratch root holding a copy of the host's system
     units and an empty executable at every Exec path, so only our units can be at

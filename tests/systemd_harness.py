@@ -1,5 +1,5 @@
 """A real systemd user manager per test node, optionally in its own network namespace
-(DESIGN.md section 6), and helpers to drive it.
+(docs/design.md §10), and helpers to drive it.
 
 Each manager runs under `unshare -m` with a tmpfs /run, its own cgroup subtree in every
 systemd hierarchy, and private XDG dirs; `tests/harness/user-manager` sets it up. Nodes

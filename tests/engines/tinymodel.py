@@ -1,5 +1,5 @@
-"""Build a tiny random Llama model for the engine tier, with no download (DESIGN.md
-section 6 of the brief; docs/engines.md): run with the engines' virtualenv Python.
+"""Build a tiny random Llama model for the engine tier, with no download
+(docs/design.md §10; docs/engines.md): run with the engines' virtualenv Python.
 
     python tinymodel.py OUT_DIR
 

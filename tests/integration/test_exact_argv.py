@@ -1,5 +1,5 @@
 """Exact argv and environment under a real systemd: whatever value the renderer
-accepts, the process receives exactly (DESIGN.md section 4)."""
+accepts, the process receives exactly (docs/design.md §4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The unit graph under a real systemd, on one node (DESIGN.md sections 1 and 3):
+"""The unit graph under a real systemd, on one node (docs/design.md §1 and §3):
 crashes take the whole shard down and bring it back, the restart budget ends a crash
 loop, stop leaves nothing behind, a stale port holder fails the shard cleanly."""
 

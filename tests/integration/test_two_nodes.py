@@ -1,5 +1,5 @@
 """Across two nodes (network namespaces, each with its own systemd): start order and the
-rendezvous wait (DESIGN.md section 1, points 1 and 3)."""
+rendezvous wait (docs/design.md §1, behaviours 1 and 3)."""
 
 from __future__ import annotations
 
