@@ -6,13 +6,14 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 from . import __version__
 from .errors import BadInput, LlmgwError, NoShard, UsageError
+from .health import READY
 from .install import CREATE, KEEP, REMOVE, UPDATE, Survey, apply, survey, unified_diff
 from .plan import Manager, ShardPlan, plan_node
 from .render import render_shards
@@ -69,6 +70,23 @@ NODE_OPTION = click.option("--node", metavar="NAME",
 USER_OPTION = click.option("--user", "user_manager", is_flag=True,
                            help="Work with the per-user manager (systemctl --user) "
                                 "instead of the system one, as the tests do.")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def tls_options(when: str, defaults: str) -> Callable[[F], F]:
+    """--tls-cert, --tls-key, --tls-ca: the same three files wherever a command speaks
+    TLS to the supervisors; only where their defaults come from differs."""
+    def decorate(function: F) -> F:
+        for flag, what in (("--tls-ca", "the cluster CA's certificate (PEM) [default for "
+                                        f"all three: {defaults}; none: plain HTTP]"),
+                           ("--tls-key", "this node's private key (PEM)"),
+                           ("--tls-cert", "this node's certificate (PEM)")):
+            text = f"{when}{what}" if when else what[0].upper() + what[1:]
+            function = click.option(flag, metavar="FILE", help=f"{text}.")(function)
+        return function
+    return decorate
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -249,11 +267,8 @@ def systemd_group() -> None:
 @click.option("--peer-timeout", type=click.FloatRange(0.1, 120), default=3.0,
               show_default=True, metavar="SECONDS",
               help="With --cluster: bound on each supervisor's answer.")
-@click.option("--tls-cert", metavar="FILE", help="With --cluster: this node's certificate.")
-@click.option("--tls-key", metavar="FILE", help="With --cluster: this node's key.")
-@click.option("--tls-ca", metavar="FILE", help="With --cluster: the cluster CA [default for "
-              f"all three: node.crt, node.key, ca.crt in {DEFAULT_TLS_DIR} when there; "
-              "none: plain HTTP].")
+@tls_options("With --cluster: ", f"node.crt, node.key, ca.crt in {DEFAULT_TLS_DIR} when "
+             "there")
 def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
                    user_manager: bool, as_json: bool, cluster: bool, peer_port: int,
                    peer_timeout: float, tls_cert: str | None, tls_key: str | None,
@@ -301,7 +316,7 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
         _table([("REPLICA", "RANK", "NODE", "STATE", "REASON")] + [
             (s.replica, f"{s.rank}/{s.ranks}", s.node, s.health.state, s.health.reason)
             for s in statuses])
-    sys.exit(0 if all(s.health.state == "ready" for s in statuses) else 3)
+    sys.exit(0 if all(s.health.state == READY for s in statuses) else 3)
 
 
 def _table(rows: Sequence[tuple[str, ...]]) -> None:
@@ -398,11 +413,8 @@ def _endpoint_option(option: str, text: str) -> tuple[str, int]:
               help="An extra plain-HTTP listener for tools on this node; loopback only.")
 @click.option("--peer-port", type=click.IntRange(1, 65535), metavar="PORT",
               help="The port peer supervisors listen on [default: --listen's port].")
-@click.option("--tls-cert", metavar="FILE", help="This node's certificate (PEM).")
-@click.option("--tls-key", metavar="FILE", help="This node's private key (PEM).")
-@click.option("--tls-ca", metavar="FILE", help="The cluster CA's certificate (PEM) [default "
-              "for all three: tls_node.crt, tls_node.key, tls_ca.crt (or the names without "
-              "tls_) in $CREDENTIALS_DIRECTORY; none: plain HTTP].")
+@tls_options("", "tls_node.crt, tls_node.key, tls_ca.crt (or the names without tls_) in "
+             "$CREDENTIALS_DIRECTORY")
 @click.option("--state-dir", metavar="DIR",
               help="Where group restarts are recorded [default: $STATE_DIRECTORY, else "
                    "/var/lib/llmgw-supervisor].")

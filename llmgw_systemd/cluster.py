@@ -12,9 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .evidence import PeerShard
+from .health import READY, UNKNOWN, State
 from .spec import Replica
-
-UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -34,13 +33,13 @@ class Row:
     rank: int
     ranks: int
     node: str
-    state: str
+    state: State
     reason: str
     source: str  # "systemd" (this node) or whose supervisor said it
 
 
 def cluster_rows(replicas: Sequence[Replica], node: str,
-                 local: Mapping[str, tuple[str, str]], peers: Mapping[str, PeerView],
+                 local: Mapping[str, tuple[State, str]], peers: Mapping[str, PeerView],
                  address: Mapping[str, str]) -> list[Row]:
     """local: replica -> (state, reason) of this node's rank; peers: node name -> its
     supervisor's answer; address: node name -> where it was asked."""
@@ -60,7 +59,7 @@ def cluster_rows(replicas: Sequence[Replica], node: str,
 
 
 def _peer_rank(replica: str, rank: int, node: str, view: PeerView | None, where: str
-               ) -> tuple[str, str, str]:
+               ) -> tuple[State, str, str]:
     source = f"supervisor on {node}"
     if view is None:
         return UNKNOWN, "not asked", source
@@ -80,4 +79,4 @@ def _peer_rank(replica: str, rank: int, node: str, view: PeerView | None, where:
 
 
 def all_ready(rows: Sequence[Row]) -> bool:
-    return all(r.state == "ready" for r in rows)
+    return all(r.state == READY for r in rows)

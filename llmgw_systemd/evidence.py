@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .health import State
 from .unitstate import UnitState
 
 
@@ -46,7 +47,7 @@ class PeerShard:
     replica: str
     rank: int
     node: str
-    state: str
+    state: State
     reason: str
     generation: str  # opaque: a systemd InvocationID in hex, or "" when none
     serving: bool = False  # whether that rank serves HTTP

@@ -13,12 +13,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final, Literal
 
 from .unitstate import UnitState
 
-STOPPED, STARTING, READY, DEGRADED, FAILED, UNKNOWN = (
-    "stopped", "starting", "ready", "degraded", "failed", "unknown")
-STATES = (STOPPED, STARTING, READY, DEGRADED, FAILED, UNKNOWN)
+# The health of a shard, a rank or a replica: a closed vocabulary, also on the wire
+# (/v1/shards) and in the metrics' labels.
+State = Literal["stopped", "starting", "ready", "degraded", "failed", "unknown"]
+STOPPED: Final = "stopped"
+STARTING: Final = "starting"
+READY: Final = "ready"
+DEGRADED: Final = "degraded"
+FAILED: Final = "failed"
+UNKNOWN: Final = "unknown"
+STATES: tuple[State, ...] = (STOPPED, STARTING, READY, DEGRADED, FAILED, UNKNOWN)
+# A checked spelling -> its State (a lookup, so the type needs no cast).
+STATE_BY_NAME: dict[str, State] = {s: s for s in STATES}
 
 
 @dataclass(frozen=True)
@@ -33,7 +43,7 @@ class Probe:
 class Health:
     """A state and why."""
 
-    state: str
+    state: State
     reason: str
 
 
@@ -43,7 +53,7 @@ class RankReport:
 
     rank: int
     node: str
-    state: str
+    state: State
     reason: str
 
 
@@ -111,7 +121,7 @@ def replica_health(ranks: Sequence[RankReport], n_ranks: int) -> Health:
     reports = [by_rank.get(k, RankReport(k, "?", UNKNOWN, "no report")) for k in
                range(n_ranks)]
 
-    def which(state: str) -> list[RankReport]:
+    def which(state: State) -> list[RankReport]:
         return [r for r in reports if r.state == state]
 
     def describe(rs: list[RankReport]) -> str:

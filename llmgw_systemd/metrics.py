@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from .health import STATES
+from .health import STATES, State
 
 
 class _StatsCollector(Collector):
@@ -88,13 +88,13 @@ class SupervisorMetrics:
             if labels[0] not in keep:
                 self.peer_failures.remove(*labels)
 
-    def set_replica(self, name: str, state: str, group_restarts: int) -> None:
+    def set_replica(self, name: str, state: State, group_restarts: int) -> None:
         self.replicas.add(name)
         for s in STATES:
             self.replica_state.labels(name, s).set(state == s)
         self.group_restarts.labels(name).set(group_restarts)
 
-    def set_shard(self, name: str, rank: int, state: str,
+    def set_shard(self, name: str, rank: int, state: State,
                   units: Sequence[tuple[str, int]]) -> None:
         for s in STATES:
             self.shard_state.labels(name, str(rank), s).set(state == s)

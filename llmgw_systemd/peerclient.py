@@ -36,7 +36,7 @@ import h11
 
 from .errors import LlmgwError
 from .evidence import PeerShard
-from .health import STATES
+from .health import STATE_BY_NAME, STATES
 from .spec import MAX_REPLICA_NAME, NODE_NAME_RE
 from .specread import NAME_RE
 
@@ -350,10 +350,11 @@ def _shard(value: Any, path: str) -> ShardReport:
                          f"not first, at most {MAX_REPLICA_NAME}), got {_show(replica)}")
     rank = _integer(_key(shard, "rank", path), f"{path}.rank")
     node = _node_name(_key(shard, "node", path), f"{path}.node")
-    state = _key(shard, "state", path)
-    if not (isinstance(state, str) and state in STATES):
+    raw_state = _key(shard, "state", path)
+    state = STATE_BY_NAME.get(raw_state) if isinstance(raw_state, str) else None
+    if state is None:
         raise _Malformed(f"{path}.state", f"expected one of {', '.join(STATES)}, "
-                         f"got {_show(state)}")
+                         f"got {_show(raw_state)}")
     reason = _key(shard, "reason", path)
     if not isinstance(reason, str):
         raise _Malformed(f"{path}.reason", f"expected a string, got {_show(reason)}")

@@ -41,6 +41,7 @@ from .health import (
     Health,
     Probe,
     RankReport,
+    State,
     replica_health,
     shard_health,
 )
@@ -271,7 +272,7 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
     if decision.action == GIVE_UP:
         return replace(verdict, memory=memory,
                        health=Health(FAILED, f"{died}; {decision.reason}"))
-    state = FAILED if failed else DEGRADED
+    state: State = FAILED if failed else DEGRADED
     verdict = replace(verdict, memory=memory, health=Health(state, f"{died}; {decision.reason}"),
                       next_restart=decision.reason)
     if decision.action != NOW:

@@ -1,7 +1,10 @@
 """The replica spec: typed data, and its validation from parsed YAML (pure).
 
 Every check raises one SpecError naming file, line, key path and what was expected.
-Checks run in document order, so the first error a user sees is the first in the file.
+Files and replicas are checked in document order, so the first bad replica a user sees
+is the first in the file. Within a replica: its name, its engine, which keys it may
+have, its nodes, then its engine's own keys (read by the engine's entry in engines/),
+then the rest of the keys every engine has.
 """
 
 from __future__ import annotations

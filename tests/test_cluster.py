@@ -7,6 +7,7 @@ import pytest
 
 from llmgw_systemd.cluster import PeerView, Row, all_ready, cluster_rows
 from llmgw_systemd.evidence import PeerShard
+from llmgw_systemd.health import State
 from llmgw_systemd.spec import build_spec
 from llmgw_systemd.yamldoc import parse
 
@@ -37,7 +38,7 @@ WHERE = {"b": "10.0.0.2:9470"}
      "b's supervisor reports no rank 1 of this replica", "supervisor on b (plain HTTP)"),
     (None, "unknown", "not asked", "supervisor on b"),
 ])
-def test_peer_rows(view: PeerView | None, state: str, reason: str, source: str) -> None:
+def test_peer_rows(view: PeerView | None, state: State, reason: str, source: str) -> None:
     rows = cluster_rows(REPLICAS, "a", {"rep": ("ready", "serving")},
                         {"b": view} if view else {}, WHERE)
     assert rows == [Row("rep", 0, 2, "a", "ready", "serving", "systemd"),

@@ -13,6 +13,7 @@ from llmgw_systemd.health import (
     UNKNOWN,
     Probe,
     RankReport,
+    State,
     replica_health,
     shard_health,
 )
@@ -95,7 +96,7 @@ def test_shard_health(target: UnitState, members: list[UnitState], serving: bool
     assert reason in health.reason
 
 
-def r(rank: int, state: str, reason: str = "") -> RankReport:
+def r(rank: int, state: State, reason: str = "") -> RankReport:
     return RankReport(rank, f"n{rank}", state, reason or state)
 
 
@@ -123,3 +124,12 @@ def test_replica_health(ranks: list[RankReport], state: str, reason: str) -> Non
     assert health.state == state
     assert reason in health.reason
     assert health.state != READY or all(x.state == READY for x in ranks)
+
+
+def test_the_states_tuple_is_the_whole_vocabulary() -> None:
+    """STATES drives the metrics' labels and the wire check: every State, once each."""
+    from typing import get_args
+
+    from llmgw_systemd.health import STATES
+
+    assert get_args(State) == STATES

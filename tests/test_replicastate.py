@@ -9,7 +9,7 @@ import pytest
 
 from llmgw_systemd.evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
 from llmgw_systemd.grouprestart import GroupRestartPolicy
-from llmgw_systemd.health import DEGRADED, FAILED, READY, STARTING, STOPPED
+from llmgw_systemd.health import DEGRADED, FAILED, READY, STARTING, STOPPED, State
 from llmgw_systemd.replicastate import Memory, ReplicaPolicy, RestartShard, judge, refused
 from llmgw_systemd.unitstate import UnitState
 
@@ -49,7 +49,7 @@ def peer(source: str, *shards: PeerShard, age: float = 1, authenticated: bool = 
     return PeerEvidence(source, NOW - age, authenticated, tuple(shards), error)
 
 
-def shard(rank: int, node: str, state: str = READY, gen: str = "cc" * 16,
+def shard(rank: int, node: str, state: State = READY, gen: str = "cc" * 16,
           replica: str = "rep") -> PeerShard:
     return PeerShard(replica, rank, node, state, f"{state} as {node} says", gen)
 
