@@ -173,7 +173,7 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             # later wins in systemd: the replica's env, then this node's own
             environment=_merged(*shared_env, *step.env, *replica.env, *own_env, *(
                 (var, path) for var, _, path in step.credential_env if manager.user)),
-            # A user manager loads no credentials (measured: docs/engines.md): there the
+            # A user manager loads no credentials (measured: docs/design.md §6): there the
             # variable names the file itself, which the user can read.
             credential_env=() if manager.user else step.credential_env,
             environment_file=replica.environment_file,

@@ -310,3 +310,23 @@ def test_an_enabled_replica_comes_back_when_its_manager_starts(
     one_node.start()  # boot: nobody starts the shard by hand
 
     shard.wait_up(timeout=60)
+
+
+def test_a_user_manager_loads_no_credentials(one_node: UserManager, tmp_path: Path) -> None:
+    """The fact the planner relies on when it names the Ray token file itself under a
+    user manager (plan.py, docs/design.md §6): systemd 252's user manager sets
+    $CREDENTIALS_DIRECTORY for LoadCredential= but leaves the directory empty. If a
+    later systemd loads them, this fails, and the user units can use credentials too."""
+    secret, out = tmp_path / "secret", tmp_path / "seen"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    (one_node.unit_dir / "llmgw-credprobe.service").write_text(
+        "[Service]\nType=oneshot\n"
+        f"LoadCredential=token:{secret}\n"
+        f"ExecStart=/usr/bin/env --chdir=/ /usr/bin/find -H ${{CREDENTIALS_DIRECTORY}} "
+        f"-fprint {out}\n")
+    one_node.systemctl("daemon-reload")
+    one_node.systemctl("start", "llmgw-credprobe.service")
+    seen = out.read_text().split()
+    assert seen and seen[0].endswith("/credentials/llmgw-credprobe.service"), seen
+    assert seen[1:] == [], f"the user manager loaded a credential: {seen}"
