@@ -5,7 +5,7 @@
 
 hidden 128, 2 layers, 4 heads of 32 (the CPU attention needs head_dim in 32, 64, ...),
 vocab 1024, bf16 safetensors, and a byte-level BPE tokenizer trained on a few
-sentences: about 1.3 MB, a few seconds.
+sentences: about 1.1 MB, a few seconds.
 """
 
 from __future__ import annotations
