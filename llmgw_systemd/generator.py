@@ -122,15 +122,20 @@ def cache_key(scope: str, bindir: str, node: str,
 
 
 def installation() -> tuple[tuple[str, int, int, int, int], ...]:
-    """The identity of every file of this package and its templates: a reinstall or an
-    edited module (even of the same version) makes a new key."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    """The identity of every file of this package, its subpackages (engines/) and its
+    templates: a reinstall or an edited module (even of the same version) makes a new
+    key. Byte code caches are left out: Python rewrites them as it pleases."""
     out = []
-    for folder in (here, f"{here}/compiled_templates", f"{here}/templates"):
+    folders = [os.path.dirname(os.path.abspath(__file__))]
+    while folders:
+        folder = folders.pop()
         try:
             with os.scandir(folder) as entries:
                 for entry in entries:
-                    if entry.is_file(follow_symlinks=False):
+                    if entry.is_dir(follow_symlinks=False):
+                        if entry.name != "__pycache__":
+                            folders.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False):
                         st = entry.stat(follow_symlinks=False)
                         out.append((entry.path, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
                                     st.st_ino))

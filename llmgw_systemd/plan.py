@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from .endpoint import Endpoint
 from .engines import Step
+from .engines.base import KillMode
 from .errors import NoShard
 from .spec import GPUS_VAR, IFNAME_VARS, Replica, RestartPolicy, Spec
 
@@ -68,7 +69,7 @@ class ServiceUnit:
     restart: RestartPolicy
     timeout_start_sec: int | None
     timeout_stop_sec: int
-    kill_mode: str
+    kill_mode: KillMode
     success_exit_status: tuple[int | str, ...]
     exec_stop: tuple[str, ...] | None
     notify_status: bool  # a start step reports STATUS= to systemd
@@ -191,7 +192,7 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             syslog_identifier=f"{UNIT_PREFIX}{replica.name}-rank{rank}",
         ))
     role = "leader" if rank == 0 else "worker"
-    serving = f", serves HTTP on port {http.port}" if http is not None and serves else ""
+    serving = f", serves HTTP on port {http.port}" if serves and http is not None else ""
     return ShardPlan(
         replica=replica.name, rank=rank, ranks=n, node=node.name, source=replica.source,
         serves_http=serves, enable=replica.enable,

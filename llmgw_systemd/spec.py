@@ -286,20 +286,21 @@ def _replica(check: Checker, raw: Any, path: KeyPath) -> Replica:
         raise check.fail(where, f"stop_timeout ({stop_timeout} s) must be at least {least[1]}"
                          "; set stop_timeout")
     gpus: tuple[str, ...] = check.optional(data, "gpus", path, lambda v, p: _gpus(check, v, p), ())
-    env: tuple[tuple[str, str], ...] = check.optional(
-        data, "env", path, lambda v, p: _env(check, v, p), ())
     # What the units set themselves, and from which key: the spec's env may not set it.
-    # A node's own env may set CUDA_VISIBLE_DEVICES (that node's GPUs differ).
-    reserved = dict(engine.reserved_env())
-    if any(node.interface for node in nodes):
-        reserved.update(dict.fromkeys(IFNAME_VARS, "the nodes' interface"))
-    _refuse_reserved(check, env, (*path, "env"), {**reserved, **(
-        {GPUS_VAR: "gpus"} if gpus else {})})
+    # A node's own env may set CUDA_VISIBLE_DEVICES (that node's GPUs differ). The nodes
+    # were read before the engine said what it sets: their env is checked now.
     for rank, node in enumerate(nodes):
         own = dict(engine.reserved_env())
         if node.interface is not None:
             own.update(dict.fromkeys(IFNAME_VARS, "the nodes' interface"))
         _refuse_reserved(check, node.env, (*path, "nodes", rank, "env"), own)
+    reserved = dict(engine.reserved_env())
+    if any(node.interface for node in nodes):
+        reserved.update(dict.fromkeys(IFNAME_VARS, "the nodes' interface"))
+    if gpus:
+        reserved[GPUS_VAR] = "gpus"
+    env: tuple[tuple[str, str], ...] = check.optional(
+        data, "env", path, lambda v, p: _env(check, v, p, reserved), ())
     environment_file = check.optional(
         data, "environment_file", path,
         lambda v, p: check.abs_path(v, p, "an environment file"), None)
@@ -332,11 +333,9 @@ def _refuse_other_engines_keys(check: Checker, data: Mapping[str, Any], path: Ke
     for key in data:
         if key in COMMON_KEY_NAMES or key in entry.key_names:
             continue
-        users = [e.name for e in ENGINES.values() if key in e.key_names]
-        hint = ("engine 'vllm' is the only one with launch modes" if key == "launch_mode"
-                else f"it applies to engine {' and '.join(users)}")
-        raise check.fail((*path, key), f"'{key}' is not used by engine '{entry.name}' ({hint})",
-                         at_key=True)
+        users = " and ".join(e.name for e in ENGINES.values() if key in e.key_names)
+        raise check.fail((*path, key), f"'{key}' is not used by engine '{entry.name}' (it "
+                         f"applies to engine {users})", at_key=True)
 
 
 def _nodes(check: Checker, raw: Any, path: KeyPath) -> tuple[Node, ...]:
@@ -385,7 +384,9 @@ def _gpus(check: Checker, raw: Any, path: KeyPath) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _env(check: Checker, raw: Any, path: KeyPath) -> tuple[tuple[str, str], ...]:
+def _env(check: Checker, raw: Any, path: KeyPath, reserved: Mapping[str, str] | None = None
+         ) -> tuple[tuple[str, str], ...]:
+    """NAME: value pairs; with reserved, a name the units set is refused at its place."""
     if not isinstance(raw, dict):
         raise check.fail(path, f"expected a mapping of NAME: value; got {kind(raw)}")
     out: list[tuple[str, str]] = []
@@ -397,6 +398,9 @@ def _env(check: Checker, raw: Any, path: KeyPath) -> tuple[tuple[str, str], ...]
         if SECRET_NAME_RE.search(key):
             raise check.fail(kpath, f"'{key}' looks like a secret, and unit files are "
                              "world-readable; put it in environment_file instead", at_key=True)
+        if reserved is not None and key in reserved:
+            raise check.fail(kpath, f"'{key}' is set by llmgw-render from {reserved[key]}",
+                             at_key=True)
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise check.fail(kpath, f"expected a string value; got {kind(value)}"
                              + (" (quote it: 'true')" if isinstance(value, bool) else ""))

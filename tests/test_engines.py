@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from llmgw_systemd import engines, spec
-from llmgw_systemd.engines import ENGINES, EngineEntry, Http, PortClaim, SpecKey, Step
+from llmgw_systemd.engines import ENGINES, EngineEntry, Http, PortClaim, SpecKey, Step, vllm
 from llmgw_systemd.errors import SpecError
 from llmgw_systemd.plan import Manager, plan_shard
 from llmgw_systemd.render import render_shards
 from llmgw_systemd.specread import Checker
-from llmgw_systemd.yamldoc import KeyPath, parse
+from llmgw_systemd.yamldoc import KeyPath, format_path, parse
 
 TWO_NODES = "nodes: [{name: a, address: 10.0.0.1}, {name: b, address: 10.0.0.2}]"
 ONE_NODE = "nodes: [{name: a, address: 10.0.0.1}]"
@@ -36,50 +36,65 @@ def error(body: str) -> str:
     return str(caught.value)
 
 
+def web(rank: int, port: int) -> tuple[int, int, str, str]:
+    return (rank, port, "port", "HTTP")
+
+
+def meet(port: int) -> tuple[int, int, str, str]:
+    return (0, port, "rendezvous_port", "rendezvous")
+
+
 @dataclass(frozen=True)
 class Row:
-    """What one engine (and launch mode) says about a replica."""
+    """What one engine (and launch mode) says about a replica. The argv of each step is
+    the render cases' to show (tests/cases/render)."""
 
     body: str
     steps: dict[int, tuple[str, ...]]  # rank -> step names, sidecars first
     http: Http | None
-    claims: tuple[tuple[int, int, str], ...]  # (rank, port, what)
+    claims: tuple[tuple[int, int, str, str], ...]  # (rank, port, key path, what)
     reserved: frozenset[str]
     follows_leader: bool
+    least_stop_timeout: int | None = None
 
 
 ROWS = {
     "vllm ray, two nodes: a Ray head on the leader, the worker only joins": Row(
         f"engine: vllm\nmodel: /m\n{TWO_NODES}",
         {0: ("ray-head", "engine"), 1: ("engine",)}, Http(0, "0.0.0.0", 8000, "/m"),
-        ((0, 8000, "HTTP"), (0, 6379, "rendezvous")),
+        (web(0, 8000), meet(6379)),
         frozenset({"VLLM_HOST_IP", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"}),
         True),
     "vllm ray, one node: the head still binds its port": Row(
         f"engine: vllm\nmodel: /m\n{ONE_NODE}", {0: ("ray-head", "engine")},
-        Http(0, "0.0.0.0", 8000, "/m"), ((0, 8000, "HTTP"), (0, 6379, "rendezvous")),
+        Http(0, "0.0.0.0", 8000, "/m"), (web(0, 8000), meet(6379)),
         frozenset({"VLLM_HOST_IP", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"}),
         False),
     "vllm mp, two nodes: the master port on rank 0, the served name from args": Row(
         f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nport: 8100\nargs: [--served-model-name, "
         f"x]\n{TWO_NODES}", {0: ("engine",), 1: ("engine",)},
-        Http(0, "0.0.0.0", 8100, "x"), ((0, 8100, "HTTP"), (0, 29500, "rendezvous")),
+        Http(0, "0.0.0.0", 8100, "x"), (web(0, 8100), meet(29500)),
         frozenset({"VLLM_HOST_IP"}), True),
+    "vllm mp with a drain: the stop timeout must cover it": Row(
+        f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nargs: [--shutdown-timeout, '25']\n"
+        f"stop_timeout: 35\n{ONE_NODE}", {0: ("engine",)}, Http(0, "0.0.0.0", 8000, "/m"),
+        (web(0, 8000),), frozenset({"VLLM_HOST_IP"}), False, 35),
     "vllm mp, one node: no master port": Row(
         f"engine: vllm\nlaunch_mode: mp\nmodel: /m\n{ONE_NODE}", {0: ("engine",)},
-        Http(0, "0.0.0.0", 8000, "/m"), ((0, 8000, "HTTP"),), frozenset({"VLLM_HOST_IP"}),
+        Http(0, "0.0.0.0", 8000, "/m"), (web(0, 8000),), frozenset({"VLLM_HOST_IP"}),
         False),
     "sglang, two nodes": Row(
         f"engine: sglang\nmodel: /m\nhost: 127.0.0.1\n{TWO_NODES}",
         {0: ("engine",), 1: ("engine",)}, Http(0, "127.0.0.1", 30000, "/m"),
-        ((0, 30000, "HTTP"), (0, 20000, "rendezvous")), frozenset(), True),
+        (web(0, 30000), meet(20000)), frozenset(), True),
     "command: its own sequences; the serving command's bind is its HTTP claim": Row(
         COMMANDS_2, {0: ("engine",), 1: ("side", "engine")}, Http(0, "0.0.0.0", 9000, None),
-        ((0, 9000, "HTTP"), (1, 7000, "command")), frozenset(), False),
+        (web(0, 9000), (1, 7000, "ranks[1].commands[0].binds[0]", "command")), frozenset(),
+        False),
     "command, serving rank 1; none named for completions": Row(
         "engine: command\nport: 9000\nserving_rank: 1\nranks: [{commands: [{argv: [/bin/a]}]},"
         f" {{commands: [{{argv: [/bin/b]}}]}}]\n{TWO_NODES}", {0: ("engine",), 1: ("engine",)},
-        Http(1, "0.0.0.0", 9000, None), ((1, 9000, "HTTP"),), frozenset(), False),
+        Http(1, "0.0.0.0", 9000, None), (web(1, 9000),), frozenset(), False),
     "command, no rank serves HTTP": Row(
         f"engine: command\nserving_rank: null\nranks: [{{commands: [{{argv: [/bin/a]}}]}}]\n"
         f"{ONE_NODE}", {0: ("engine",)}, None, (), frozenset(), False),
@@ -93,14 +108,23 @@ def test_what_each_engine_says_about_a_replica(what: str) -> None:
     assert {rank: tuple(s.name for s in r.engine.steps(r.name, r.nodes, rank))
             for rank in range(len(r.nodes))} == row.steps
     assert r.http == row.http
-    assert tuple((c.rank, c.port, c.what) for c in r.engine.port_claims(len(r.nodes))) \
-        == row.claims
+    assert tuple((c.rank, c.port, format_path(c.path), c.what)
+                 for c in r.engine.port_claims(len(r.nodes))) == row.claims
     assert frozenset(r.engine.reserved_env()) == row.reserved
     assert r.engine.follows_leader(len(r.nodes)) is row.follows_leader
+    least = r.engine.least_stop_timeout()
+    assert (least and least[0]) == row.least_stop_timeout
 
 
-def test_every_engine_has_a_row() -> None:
-    assert {replica(row.body).engine.name for row in ROWS.values()} == set(ENGINES)
+def _kind(r: spec.Replica) -> tuple[str, str | None]:
+    launch = getattr(r.engine, "launch", None)
+    return r.engine.name, None if launch is None else launch.name
+
+
+def test_every_engine_and_launch_mode_has_a_row() -> None:
+    kinds = {_kind(replica(row.body)) for row in ROWS.values()}
+    assert kinds == {("vllm", mode) for mode in vllm.LAUNCH_MODES} | {
+        (name, None) for name in ENGINES if name != "vllm"}
 
 
 @pytest.mark.parametrize(("body", "variable"), [
@@ -132,20 +156,60 @@ def test_what_the_units_do_not_set_is_the_specs(body: str, allowed: str) -> None
     assert allowed in dict(r.env) or any(allowed in dict(n.env) for n in r.nodes)
 
 
+# Every key of every engine's table, set to a value that is not its default: the specs
+# below, by engine (vLLM's ray keys and launch_mode: mp cannot share one replica).
+SAMPLES = {
+    "vllm": [
+        "model: /m\nport: 8001\nhost: 127.0.0.1\ntensor_parallel_size: 2\n"
+        "pipeline_parallel_size: 2\nrendezvous_port: 6380\nargs: [--x]\nvirtualenv: /opt/v\n"
+        "distributed_timeout: 60\nray_args: [--num-cpus=1]\n"
+        "ray_head_args: [--include-dashboard=false]\nray_num_gpus: 1\nray_auth: token\n"
+        "ray_token_file: /etc/t",
+        "launch_mode: mp\nmodel: /m",
+    ],
+    "sglang": [
+        "model: /m\nport: 30001\nhost: 127.0.0.1\ntensor_parallel_size: 2\n"
+        "pipeline_parallel_size: 2\nrendezvous_port: 20001\nargs: [--x]\nvirtualenv: /opt/v",
+    ],
+    "command": [
+        "serving_rank: 1\nport: 9000\n"
+        "ranks: [{commands: [{argv: [/bin/a]}]}, {commands: [{argv: [/bin/b]}]}]",
+    ],
+}
+
+
 @pytest.mark.parametrize("entry", ENGINES.values(), ids=list(ENGINES))
-def test_each_key_table_is_what_its_reader_allows(entry: EngineEntry) -> None:
+def test_each_key_in_a_table_is_read(entry: EngineEntry) -> None:
+    """Each key of the table, left out of a spec that sets them all, changes the replica
+    (or makes the spec wrong): no key is allowed and then ignored."""
     names = entry.key_names
     assert len(set(names)) == len(names), "a key listed twice"
     assert not set(names) & set(spec.COMMON_KEY_NAMES), "an engine key that every engine has"
     assert all(k.default and k.meaning for k in entry.keys)
-    for key in names:  # the value may be wrong; the key itself must be allowed
-        message = error(f"engine: {entry.name}\n{key}: {{}}\n{ONE_NODE}")
-        assert "unknown key" not in message and "is not used by engine" not in message, key
+    covered: set[str] = set()
+    for sample in SAMPLES[entry.name]:
+        lines = sample.splitlines()
+        full = replica(f"engine: {entry.name}\n{sample}\n{TWO_NODES}")
+        for i, line in enumerate(lines):
+            key = line.split(":", 1)[0]
+            covered.add(key)
+            rest = "\n".join(lines[:i] + lines[i + 1:])
+            try:
+                without = replica(f"engine: {entry.name}\n{rest}\n{TWO_NODES}")
+            except SpecError:
+                continue  # required, or others depend on it: read all the same
+            assert without != full, f"{key} is allowed and ignored"
+    assert covered == set(names), "give each key of the table a sample value"
+
+
+@pytest.mark.parametrize("entry", ENGINES.values(), ids=list(ENGINES))
+def test_another_engines_key_is_refused_naming_its_engine(entry: EngineEntry) -> None:
     for other in ENGINES.values():
-        for key in set(other.key_names) - set(names):
+        for key in set(other.key_names) - set(entry.key_names):
             message = error(f"engine: {entry.name}\n{key}: 1\n{ONE_NODE}")
-            assert f"'{key}' is not used by engine '{entry.name}'" in message
-            assert other.name in message or key == "launch_mode"
+            owners = " and ".join(e.name for e in ENGINES.values() if key in e.key_names)
+            assert f"'{key}' is not used by engine '{entry.name}' (it applies to engine " \
+                   f"{owners})" in message
 
 
 # A whole engine, as a module would hold it: its settings, key table and reader.

@@ -264,8 +264,13 @@ def test_the_cache_never_serves_stale_units(tmp_path: Path, change: str) -> None
     assert gen.units() != before
 
 
-def test_an_edited_installation_of_the_same_version_is_a_new_cache_key(tmp_path: Path
-                                                                        ) -> None:
+@pytest.mark.parametrize(("module", "old", "new"), [
+    ("unitheader.py", "at every daemon-reload;", "at every daemon-reload (edited);"),
+    # a module of a subpackage counts as much as one at the top
+    ("engines/command.py", 'role=f"command {cmd.name}"', 'role=f"command {cmd.name} (edited)"'),
+])
+def test_an_edited_installation_of_the_same_version_is_a_new_cache_key(
+        tmp_path: Path, module: str, old: str, new: str) -> None:
     """A copy of the installation (launcher, helper, package); after one run, one of its
     modules is edited in place: the next run must render with the edit."""
     import llmgw_systemd
@@ -284,11 +289,12 @@ def test_an_edited_installation_of_the_same_version_is_a_new_cache_key(tmp_path:
     gen.spec("a.yaml", ALPHA)
     assert "yaml" in imports(gen)
     assert "yaml" not in imports(gen)
-    header_py = site / "llmgw_systemd" / "unitheader.py"
-    header_py.write_text(header_py.read_text().replace("at every daemon-reload;",
-                                                       "at every daemon-reload (edited);"))
+    edited = site / "llmgw_systemd" / module
+    source = edited.read_text()
+    assert old in source
+    edited.write_text(source.replace(old, new))
     assert "yaml" in imports(gen)
-    assert all("(edited)" in text for text in gen.units().values())
+    assert "(edited)" in gen.units()["llmgw-alpha-engine.service"]
 
 
 @pytest.mark.parametrize("tamper", ["group-writable", "garbage", "truncated"])

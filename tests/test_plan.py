@@ -93,7 +93,7 @@ def test_node_env_wins_once_and_interface_feeds_gloo_and_nccl() -> None:
     ("[--served-model-name=llama]", "llama"),
     ("[--served-model-name, a, b]", "a"),
 ])
-def test_served_model_name(args: str, name: str) -> None:
+def test_the_served_model_name_is_what_completions_ask_for(args: str, name: str) -> None:
     r = replica(f"engine: vllm\nmodel: /models/x\nargs: {args}\n"
                 "nodes: [{name: a, address: 10.0.0.1}]")
     assert r.http is not None and r.http.model == name

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 from ..endpoint import Endpoint
 from ..specread import Checker
@@ -20,6 +20,12 @@ from ..yamldoc import KeyPath
 
 if TYPE_CHECKING:
     from ..spec import Node
+
+
+# How systemd stops a member: every process at once, or the main process first.
+KillMode = Literal["control-group", "mixed"]
+# What a claimed port is for, as conflict errors name it.
+PortUse = Literal["HTTP", "rendezvous", "command"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,7 @@ class Step:
     engine, whose exit is the shard's exit."""
 
     name: str  # unit name suffix: "ray-head", "engine"
-    role: str  # for people: "Ray head", "vLLM server (Ray leader)"
+    role: str  # for people: "Ray head on port 6379", "vLLM headless rank 1"
     argv: tuple[str, ...]
     wait_for: tuple[Endpoint, ...] = ()  # must accept TCP connections before the start
     frees: tuple[Endpoint, ...] = ()  # must be bindable (nobody listening) before the start
@@ -47,7 +53,7 @@ class Step:
     # (variable, credential name, source file): the variable names the file, loaded as a
     # credential where the manager can (never the secret itself in the unit)
     credential_env: tuple[tuple[str, str, str], ...] = ()
-    kill_mode: str = "control-group"  # "mixed" for `ray start`
+    kill_mode: KillMode = "control-group"  # "mixed" for `ray start`
     clean_exit_signals: tuple[str, ...] = ()
     stop_with_grace: bool = False  # ExecStop=llmgw-stop-group: SIGTERM, grace, SIGKILL
 
@@ -71,7 +77,7 @@ class PortClaim:
     rank: int
     port: int
     path: KeyPath
-    what: str  # "HTTP", "rendezvous", "command"
+    what: PortUse
 
 
 class EngineSettings(Protocol):

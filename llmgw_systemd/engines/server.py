@@ -36,7 +36,7 @@ class Server:
         return ("--host", self.host, "--port", str(self.port))
 
 
-def server_keys(*, http_port: int, rendezvous_port: str, tp_flag: str, pp_flag: str,
+def server_keys(*, http_port: int, rendezvous_default: str, tp_flag: str, pp_flag: str,
                 commands: str) -> tuple[SpecKey, ...]:
     """The shared keys, with this engine's defaults, for the engine's key table."""
     return (
@@ -45,7 +45,7 @@ def server_keys(*, http_port: int, rendezvous_port: str, tp_flag: str, pp_flag: 
         SpecKey("host", f"`{DEFAULT_HOST}`", "address the server binds"),
         SpecKey("tensor_parallel_size", "1", f"tensor parallel size: {tp_flag}"),
         SpecKey("pipeline_parallel_size", "1", f"pipeline parallel size: {pp_flag}"),
-        SpecKey("rendezvous_port", rendezvous_port,
+        SpecKey("rendezvous_port", rendezvous_default,
                 "the port on rank 0 the other ranks meet at"),
         SpecKey("args", "none", "appended to the engine command (`--api-key` and other "
                 "secret flags are refused)"),

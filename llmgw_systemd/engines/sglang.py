@@ -87,7 +87,7 @@ def read(check: Checker, data: Mapping[str, Any], path: KeyPath, nodes: tuple[No
 ENTRY = EngineEntry(
     name="sglang",
     summary="SGLang (`python -m sglang.launch_server`), one server across the nodes",
-    keys=server_keys(http_port=HTTP_PORT, rendezvous_port=str(RENDEZVOUS_PORT),
+    keys=server_keys(http_port=HTTP_PORT, rendezvous_default=str(RENDEZVOUS_PORT),
                      tp_flag="`--tp-size`, which spans all nodes",
                      pp_flag="`--pp-size`, given when above 1", commands="`python`"),
     read=read,

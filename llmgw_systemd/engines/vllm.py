@@ -10,10 +10,9 @@ What the real vLLM and Ray do that these units rely on is measured in docs/engin
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ..endpoint import Endpoint, is_ip
 from ..errors import unreachable
@@ -22,6 +21,7 @@ from ..yamldoc import KeyPath
 from .base import (
     EngineEntry,
     Http,
+    KillMode,
     PortClaim,
     SpecKey,
     Step,
@@ -54,7 +54,7 @@ RAY_CLEAN_EXIT = (1,)
 # together with its children (KillMode=control-group) a head waits 30 s for its own GCS
 # that is already gone; alone (mixed) it stops in 2 s, and systemd SIGKILLs what is
 # left (measured: docs/engines.md).
-RAY_KILL_MODE = "mixed"
+RAY_KILL_MODE: KillMode = "mixed"
 # A worker stopped while it still joins its head ignores SIGTERM (seen: a stop 8 s into
 # start-up on a loaded machine), and would end failed with Result=timeout, which starts
 # the restart unit. So a worker's `ray start` stops through llmgw-stop-group --main-first:
@@ -83,23 +83,73 @@ RAY_TOKEN_CREDENTIAL = "ray-token"  # noqa: S105 - a credential name, not a secr
 RAY_TEMP_DIR_MAX = 40
 
 
+class Launch(Protocol):
+    """What a launch mode decides: the steps of each rank, the variables its units set,
+    whether rank 0 binds the rendezvous port even alone. mypy checks that each mode
+    answers all of it."""
+
+    @property
+    def name(self) -> LaunchMode: ...
+
+    def steps(self, vllm: Vllm, replica: str, nodes: Sequence[Node], rank: int
+              ) -> tuple[Step, ...]: ...
+
+    def reserved_env(self) -> Mapping[str, str]: ...
+
+    @property
+    def binds_rendezvous_alone(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class RayLaunch:
     """launch_mode ray: a Ray cluster of the replica's nodes, its head on rank 0."""
 
     args: tuple[str, ...] = ()  # on every `ray start`
     head_args: tuple[str, ...] = ()  # on the head's only
-    num_gpus: int | None = None
-    auth: RayAuth = "disabled"
-    token_file: str | None = None  # set exactly when auth is "token"
+    num_gpus: int | None = None  # None: Ray's own detection
+    token_file: str | None = None  # ray_auth: token, from this file; None: disabled
+
+    @property
+    def name(self) -> LaunchMode:
+        return "ray"
+
+    @property
+    def auth(self) -> RayAuth:
+        return "disabled" if self.token_file is None else "token"
+
+    def steps(self, vllm: Vllm, replica: str, nodes: Sequence[Node], rank: int
+              ) -> tuple[Step, ...]:
+        return _ray_steps(vllm, self, replica, nodes, rank)
+
+    def reserved_env(self) -> Mapping[str, str]:
+        return {"VLLM_HOST_IP": "each node's address",
+                "RAY_ADDRESS": "the leader's address and rendezvous_port",
+                "RAY_AUTH_MODE": "ray_auth",
+                "RAY_AUTH_TOKEN_PATH": "ray_auth and ray_token_file"}
+
+    @property
+    def binds_rendezvous_alone(self) -> bool:
+        return True  # a Ray head binds its port even on a one-node replica
 
 
 @dataclass(frozen=True)
 class MpLaunch:
     """launch_mode mp: vLLM's own multiprocessing executor across the nodes."""
 
+    @property
+    def name(self) -> LaunchMode:
+        return "mp"
 
-Launch = Union[RayLaunch, MpLaunch]
+    def steps(self, vllm: Vllm, replica: str, nodes: Sequence[Node], rank: int
+              ) -> tuple[Step, ...]:
+        return (_mp_step(vllm, nodes, rank),)
+
+    def reserved_env(self) -> Mapping[str, str]:
+        return {"VLLM_HOST_IP": "each node's address"}
+
+    @property
+    def binds_rendezvous_alone(self) -> bool:
+        return False  # the master port only when there are peers to meet
 
 
 @dataclass(frozen=True)
@@ -120,27 +170,17 @@ class Vllm:
         return Http(0, self.server.host, self.server.port, model)
 
     def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
-        if isinstance(self.launch, RayLaunch):
-            return _ray_steps(self, self.launch, replica, nodes, rank)
-        if isinstance(self.launch, MpLaunch):
-            return (_mp_step(self, nodes, rank),)
-        unreachable(self.launch)
+        return self.launch.steps(self, replica, nodes, rank)
 
     def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
         http = PortClaim(0, self.server.port, ("port",), "HTTP")
-        # a Ray head binds its port even alone; mp binds the master port only for peers
-        if isinstance(self.launch, RayLaunch) or uses_rendezvous(n_nodes):
+        if self.launch.binds_rendezvous_alone or uses_rendezvous(n_nodes):
             return (http, PortClaim(0, self.server.rendezvous_port, ("rendezvous_port",),
                                     "rendezvous"))
         return (http,)
 
     def reserved_env(self) -> Mapping[str, str]:
-        own = {"VLLM_HOST_IP": "each node's address"}
-        if isinstance(self.launch, RayLaunch):
-            own.update({"RAY_ADDRESS": "the leader's address and rendezvous_port",
-                        "RAY_AUTH_MODE": "ray_auth",
-                        "RAY_AUTH_TOKEN_PATH": "ray_auth and ray_token_file"})
-        return own
+        return self.launch.reserved_env()
 
     def follows_leader(self, n_nodes: int) -> bool:
         return n_nodes > 1
@@ -160,7 +200,7 @@ KEYS = (
             "other ranks run only `ray start --address=LEADER:PORT --block`. `mp`: every "
             "rank runs `vllm serve --nnodes N --node-rank K --master-addr LEADER "
             "--master-port P`, `--headless` on ranks >= 1."),
-    *server_keys(http_port=HTTP_PORT, rendezvous_port="ray 6379, mp 29500",
+    *server_keys(http_port=HTTP_PORT, rendezvous_default="ray 6379, mp 29500",
                  tp_flag="`--tensor-parallel-size`", pp_flag="`--pipeline-parallel-size`",
                  commands="`vllm` and `ray`"),
     SpecKey("distributed_timeout", "vLLM's own", "`--distributed-timeout-seconds`: how long "
@@ -233,7 +273,7 @@ def _read_ray(check: Checker, data: Mapping[str, Any], path: KeyPath) -> RayLaun
                          at_key=True)
     if auth == "token" and token_file is None:
         token_file = DEFAULT_RAY_TOKEN_FILE
-    return RayLaunch(args, head_args, num_gpus, auth, token_file)
+    return RayLaunch(args, head_args, num_gpus, token_file)
 
 
 ENTRY = EngineEntry(
@@ -251,6 +291,8 @@ def ray_temp_dir(replica: str, rank: int) -> str:
     plain = f"/tmp/ray-{replica}-{rank}"  # noqa: S108 - Ray's own default root is /tmp/ray
     if len(plain) <= RAY_TEMP_DIR_MAX:
         return plain
+    import hashlib  # only for long names: the render path stays lean
+
     digest = hashlib.sha256(replica.encode()).hexdigest()[:8]
     keep = RAY_TEMP_DIR_MAX - len(f"/tmp/ray--{digest}-{rank}")  # noqa: S108
     return f"/tmp/ray-{replica[:keep]}-{digest}-{rank}"  # noqa: S108
