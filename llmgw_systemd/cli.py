@@ -13,7 +13,6 @@ import click
 
 from . import __version__
 from .errors import BadInput, LlmgwError, NoShard, UsageError
-from .health import READY
 from .install import CREATE, KEEP, REMOVE, UPDATE, Survey, apply, survey, unified_diff
 from .plan import Manager, ShardPlan, plan_node
 from .render import render_shards
@@ -281,6 +280,7 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
     import json
     import time
 
+    from .health import READY
     from .probe import http_probe  # noqa: F401 - keeps the import error here, early
     from .shards import local_shards, probe_shard, read_status
     from .systemd_dbus import SystemdBus

@@ -205,6 +205,12 @@ def render(contents: tuple[tuple[str, bytes | None], ...], node: str, scope: str
     """The slow path: the spec rules and templates, with yaml and jinja2. The launcher
     names the installation's package directories, where they usually are; only when
     they are elsewhere does this pay for site and its .pth files."""
+    # A run of a few hundred milliseconds whose garbage reference counting frees: the
+    # cyclic collector would only walk the objects of every import (yaml, jinja2, our
+    # dataclasses) again and again, as in llmgw-render (cli._run).
+    import gc
+
+    gc.disable()
     try:
         from .generate import generate
     except ImportError:

@@ -8,21 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from .spec import GroupRestartPolicy
+
+__all__ = ["GIVE_UP", "NOW", "WAIT", "Action", "Decision", "GroupRestartPolicy", "decide"]
+
 Action = Literal["now", "wait", "give-up"]
 NOW: Action = "now"
 WAIT: Action = "wait"
 GIVE_UP: Action = "give-up"
-
-
-@dataclass(frozen=True)
-class GroupRestartPolicy:
-    """A replica's group_restart: the delay before the nth restart in a window is
-    delay x 2^(n-1), at most max_delay; at most budget restarts within window seconds."""
-
-    delay: int = 5
-    max_delay: int = 300
-    budget: int = 5
-    window: int = 3600
 
 
 @dataclass(frozen=True)

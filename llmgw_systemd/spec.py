@@ -12,14 +12,16 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .endpoint import is_host
-from .engines import ENGINES, EngineEntry, EngineSettings, Http, SpecKey
+from .engines import ENGINES, EngineEntry, Http, SpecKey
 from .errors import SpecError
-from .grouprestart import GroupRestartPolicy
 from .specread import NAME_RE, Checker, kind
 from .yamldoc import Document, KeyPath, format_path
+
+if TYPE_CHECKING:
+    from .engines.base import EngineSettings
 
 MAX_REPLICA_NAME = 63
 
@@ -79,6 +81,19 @@ class GenerationCheck:
 
     interval: int = 30
     timeout: int = 10
+
+
+@dataclass(frozen=True)
+class GroupRestartPolicy:
+    """A replica's group_restart (the supervisor's, grouprestart.py): the delay before
+    the nth restart in a window is delay x 2^(n-1), at most max_delay; at most budget
+    restarts within window seconds. Here, not there: the render path reads it and need
+    not import the supervisor's rules."""
+
+    delay: int = 5
+    max_delay: int = 300
+    budget: int = 5
+    window: int = 3600
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,13 @@ these entries) take everything else from it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import command, sglang, vllm
-from .base import EngineEntry, EngineSettings, Http, PortClaim, SpecKey, Step
+from .base import EngineEntry, Http, PortClaim, SpecKey, Step
+
+if TYPE_CHECKING:
+    from .base import EngineSettings
 
 ENGINES: dict[str, EngineEntry] = {e.name: e for e in (vllm.ENTRY, sglang.ENTRY,
                                                        command.ENTRY)}

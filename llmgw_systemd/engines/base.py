@@ -12,14 +12,56 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple
 
 from ..endpoint import Endpoint
 from ..specread import Checker
 from ..yamldoc import KeyPath
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: a Protocol costs import time on the render path
+    from typing import Protocol
+
     from ..spec import Node
+
+    class EngineSettings(Protocol):
+        """One replica's engine keys, validated, and what follows from them. mypy checks
+        that every engine's settings class provides all of it."""
+
+        @property
+        def name(self) -> str:
+            """The spec's `engine:` value."""
+            ...
+
+        @property
+        def http(self) -> Http | None:
+            """The serving rank, or None when no rank serves HTTP."""
+            ...
+
+        def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
+            """The command sequence of one rank: sidecars first, the engine last."""
+            ...
+
+        def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
+            """Every port the replica's ranks bind."""
+            ...
+
+        def reserved_env(self) -> Mapping[str, str]:
+            """Variables this engine's units set, each with the key it comes from: the
+            spec's env may not set them."""
+            ...
+
+        def follows_leader(self, n_nodes: int) -> bool:
+            """Whether the other ranks cannot serve without rank 0 (one engine across the
+            nodes), so the supervisor restarts them as a group."""
+            ...
+
+        def least_stop_timeout(self) -> tuple[int, str] | None:
+            """The shortest stop_timeout that lets the engine stop cleanly, and why."""
+            ...
+
+    # Reads an engine's keys from a replica's mapping (already checked for unknown keys),
+    # given its nodes (read first: they are common to every engine).
+    Reader = Callable[[Checker, Mapping[str, Any], KeyPath, tuple[Node, ...]], EngineSettings]
 
 
 # How systemd stops a member: every process at once, or the main process first.
@@ -28,8 +70,10 @@ KillMode = Literal["control-group", "mixed"]
 PortUse = Literal["HTTP", "rendezvous", "command"]
 
 
-@dataclass(frozen=True)
-class SpecKey:
+# The two table rows below are NamedTuples, not frozen dataclasses: immutable and typed
+# all the same, and about 0.1 ms to create against 1 ms, on the render path that a
+# generator runs (docs/generator.md, bench/generator.py).
+class SpecKey(NamedTuple):
     """One spec key, as the reader allows it and the docs describe it."""
 
     name: str
@@ -80,56 +124,13 @@ class PortClaim:
     what: PortUse
 
 
-class EngineSettings(Protocol):
-    """One replica's engine keys, validated, and what follows from them. mypy checks
-    that every engine's settings class provides all of it."""
-
-    @property
-    def name(self) -> str:
-        """The spec's `engine:` value."""
-        ...
-
-    @property
-    def http(self) -> Http | None:
-        """The serving rank, or None when no rank serves HTTP."""
-        ...
-
-    def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
-        """The command sequence of one rank: sidecars first, the engine last."""
-        ...
-
-    def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
-        """Every port the replica's ranks bind."""
-        ...
-
-    def reserved_env(self) -> Mapping[str, str]:
-        """Variables this engine's units set, each with the key it comes from: the
-        spec's env may not set them."""
-        ...
-
-    def follows_leader(self, n_nodes: int) -> bool:
-        """Whether the other ranks cannot serve without rank 0 (one engine across the
-        nodes), so the supervisor restarts them as a group."""
-        ...
-
-    def least_stop_timeout(self) -> tuple[int, str] | None:
-        """The shortest stop_timeout that lets the engine stop cleanly, and why."""
-        ...
-
-
-# Reads an engine's keys from a replica's mapping (already checked for unknown keys),
-# given its nodes (read first: they are common to every engine).
-Reader = Callable[[Checker, Mapping[str, Any], KeyPath, "tuple[Node, ...]"], EngineSettings]
-
-
-@dataclass(frozen=True)
-class EngineEntry:
+class EngineEntry(NamedTuple):
     """One row of the engine table (engines/__init__.py)."""
 
     name: str  # the spec's `engine:` value
     summary: str  # one line for the docs
     keys: tuple[SpecKey, ...]
-    read: Reader
+    read: Reader  # (checker, replica mapping, its key path, nodes) -> EngineSettings
 
     @property
     def key_names(self) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..endpoint import Endpoint, is_ip
 from ..errors import unreachable
@@ -32,8 +32,26 @@ from .base import (
 )
 from .server import Server, read_server, server_keys
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: a Protocol costs import time on the render path
+    from typing import Protocol
+
     from ..spec import Node
+
+    class Launch(Protocol):
+        """What a launch mode decides: the steps of each rank, the variables its units set,
+        whether rank 0 binds the rendezvous port even alone. mypy checks that each mode
+        answers all of it."""
+
+        @property
+        def name(self) -> LaunchMode: ...
+
+        def steps(self, vllm: Vllm, replica: str, nodes: Sequence[Node], rank: int
+                  ) -> tuple[Step, ...]: ...
+
+        def reserved_env(self) -> Mapping[str, str]: ...
+
+        @property
+        def binds_rendezvous_alone(self) -> bool: ...
 
 LaunchMode = Literal["ray", "mp"]
 LAUNCH_MODES: tuple[LaunchMode, ...] = ("ray", "mp")
@@ -81,23 +99,6 @@ RAY_TOKEN_CREDENTIAL = "ray-token"  # noqa: S105 - a credential name, not a secr
 # Ray puts AF_UNIX sockets under <temp-dir>/session_<date>_<pid>/sockets/<name>,
 # and sun_path holds 107 bytes: the temp dir must stay short.
 RAY_TEMP_DIR_MAX = 40
-
-
-class Launch(Protocol):
-    """What a launch mode decides: the steps of each rank, the variables its units set,
-    whether rank 0 binds the rendezvous port even alone. mypy checks that each mode
-    answers all of it."""
-
-    @property
-    def name(self) -> LaunchMode: ...
-
-    def steps(self, vllm: Vllm, replica: str, nodes: Sequence[Node], rank: int
-              ) -> tuple[Step, ...]: ...
-
-    def reserved_env(self) -> Mapping[str, str]: ...
-
-    @property
-    def binds_rendezvous_alone(self) -> bool: ...
 
 
 @dataclass(frozen=True)
