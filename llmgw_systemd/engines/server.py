@@ -9,7 +9,7 @@ from typing import Any
 
 from ..specread import Checker, ip_address
 from ..yamldoc import KeyPath
-from .base import SpecKey, refuse_secret_flags
+from .base import Http, PortClaim, SpecKey, flag_value, refuse_secret_flags
 
 DEFAULT_VIRTUALENV = "/usr/local"
 DEFAULT_HOST = "0.0.0.0"  # noqa: S104 - the gateway must reach the serving rank
@@ -34,6 +34,18 @@ class Server:
 
     def http_args(self) -> tuple[str, ...]:
         return ("--host", self.host, "--port", str(self.port))
+
+    def http(self) -> Http:
+        """Rank 0 serves; completions must name the served model: the first
+        --served-model-name (both engines take it), else the model itself."""
+        model = flag_value(self.args, "--served-model-name") or self.model
+        return Http(0, self.host, self.port, model)
+
+    def port_claims(self, *, rendezvous: bool) -> tuple[PortClaim, ...]:
+        http = PortClaim(0, self.port, ("port",), "HTTP")
+        if not rendezvous:
+            return (http,)
+        return (http, PortClaim(0, self.rendezvous_port, ("rendezvous_port",), "rendezvous"))
 
 
 def server_keys(*, http_port: int, rendezvous_default: str, tp_flag: str, pp_flag: str,

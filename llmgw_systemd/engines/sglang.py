@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..endpoint import Endpoint
 from ..specread import Checker
 from ..yamldoc import KeyPath
-from .base import EngineEntry, Http, PortClaim, Step, flag_value, uses_rendezvous, wildcard
+from .base import EngineEntry, Http, PortClaim, Step, uses_rendezvous, wildcard
 from .server import Server, read_server, server_keys
 
 if TYPE_CHECKING:
@@ -35,8 +35,7 @@ class Sglang:
 
     @property
     def http(self) -> Http:
-        model = flag_value(self.server.args, "--served-model-name") or self.server.model
-        return Http(0, self.server.host, self.server.port, model)
+        return self.server.http()
 
     def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
         server = self.server
@@ -62,11 +61,7 @@ class Sglang:
                      frees=frees),)
 
     def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
-        http = PortClaim(0, self.server.port, ("port",), "HTTP")
-        if not uses_rendezvous(n_nodes):
-            return (http,)
-        return (http, PortClaim(0, self.server.rendezvous_port, ("rendezvous_port",),
-                                "rendezvous"))
+        return self.server.port_claims(rendezvous=uses_rendezvous(n_nodes))
 
     def reserved_env(self) -> Mapping[str, str]:
         return {}

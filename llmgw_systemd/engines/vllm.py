@@ -165,20 +165,14 @@ class Vllm:
 
     @property
     def http(self) -> Http:
-        # completions must name the served model: the first --served-model-name, else
-        # the model itself
-        model = flag_value(self.server.args, "--served-model-name") or self.server.model
-        return Http(0, self.server.host, self.server.port, model)
+        return self.server.http()
 
     def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
         return self.launch.steps(self, replica, nodes, rank)
 
     def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
-        http = PortClaim(0, self.server.port, ("port",), "HTTP")
-        if self.launch.binds_rendezvous_alone or uses_rendezvous(n_nodes):
-            return (http, PortClaim(0, self.server.rendezvous_port, ("rendezvous_port",),
-                                    "rendezvous"))
-        return (http,)
+        return self.server.port_claims(
+            rendezvous=self.launch.binds_rendezvous_alone or uses_rendezvous(n_nodes))
 
     def reserved_env(self) -> Mapping[str, str]:
         return self.launch.reserved_env()
