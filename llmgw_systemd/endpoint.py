@@ -3,6 +3,7 @@ the wait tool imports it on every shard start)."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -38,7 +39,9 @@ def parse_endpoint(text: str) -> Endpoint | str:
     return Endpoint(host, int(port_text))
 
 
+@functools.lru_cache(maxsize=4096)
 def is_ip(text: str, version: int | None = None) -> bool:
+    # cached: a fleet's specs name the same few node addresses in replica after replica
     try:
         addr = ipaddress.ip_address(text)
     except ValueError:

@@ -200,11 +200,17 @@ COMMON_KEYS = (
 COMMON_KEY_NAMES = tuple(k.name for k in COMMON_KEYS)
 
 
-def replica_keys() -> tuple[str, ...]:
-    """Every key some engine allows (read from the table each time, so the table is the
-    only place an engine's keys are listed)."""
-    return tuple(dict.fromkeys(
+# (every key some engine allows, the common ones first; engine -> the keys it allows)
+KeyTable = tuple[tuple[str, ...], dict[str, frozenset[str]]]
+
+
+def replica_keys() -> KeyTable:
+    """The keys, from the engine table as it is now (so the table is the only place an
+    engine's keys are listed); worked out once per document, not per replica."""
+    own = {name: frozenset(COMMON_KEY_NAMES + e.key_names) for name, e in ENGINES.items()}
+    every = tuple(dict.fromkeys(
         COMMON_KEY_NAMES + tuple(n for e in ENGINES.values() for n in e.key_names)))
+    return every, own
 
 
 def build_spec(documents: Sequence[Document]) -> Spec:
@@ -265,9 +271,10 @@ def _read_documents(documents: Sequence[Document]) -> list[Placed]:
         check = Checker(doc)
         top = check.mapping(doc.data, (), ("replicas",), ("replicas",))
         items = check.sequence(top["replicas"], ("replicas",), "replicas")
+        keys = replica_keys()
         for index, item in enumerate(items):
             path: KeyPath = ("replicas", index)
-            entry = Placed(_replica(check, item, path), doc, path)
+            entry = Placed(_replica(check, item, path, keys), doc, path)
             placed.append(entry)
             if entry.replica.name in names:  # reported here, before later files' errors
                 raise _name_conflicts(placed)[0].later
@@ -279,8 +286,9 @@ def _where(doc: Document, path: KeyPath) -> str:
     return f"{doc.file}:{doc.key_line(path)} ({format_path(path)})"
 
 
-def _replica(check: Checker, raw: Any, path: KeyPath) -> Replica:
-    data = check.mapping(raw, path, replica_keys(), ("name", "engine", "nodes"))
+def _replica(check: Checker, raw: Any, path: KeyPath, keys: KeyTable) -> Replica:
+    every, allowed_by_engine = keys
+    data = check.mapping(raw, path, every, ("name", "engine", "nodes"))
     name = check.matching(data["name"], (*path, "name"), NAME_RE,
                           "a replica name of lowercase letters, digits and '-', starting with "
                           "a letter or digit (it becomes part of unit names)")
@@ -289,7 +297,7 @@ def _replica(check: Checker, raw: Any, path: KeyPath) -> Replica:
                          f"{MAX_REPLICA_NAME} characters (it becomes part of unit names); "
                          f"got {len(name)}")
     entry = ENGINES[check.choice(data["engine"], (*path, "engine"), tuple(ENGINES))]
-    _refuse_other_engines_keys(check, data, path, entry)
+    _refuse_other_engines_keys(check, data, path, entry, allowed_by_engine[entry.name])
     nodes = _nodes(check, data["nodes"], (*path, "nodes"))
     engine = entry.read(check, data, path, nodes)
 
@@ -343,10 +351,10 @@ def _replica(check: Checker, raw: Any, path: KeyPath) -> Replica:
 
 
 def _refuse_other_engines_keys(check: Checker, data: Mapping[str, Any], path: KeyPath,
-                               entry: EngineEntry) -> None:
+                               entry: EngineEntry, allowed: frozenset[str]) -> None:
     """A key of another engine's table, named with the engines it belongs to."""
     for key in data:
-        if key in COMMON_KEY_NAMES or key in entry.key_names:
+        if key in allowed:
             continue
         users = " and ".join(e.name for e in ENGINES.values() if key in e.key_names)
         raise check.fail((*path, key), f"'{key}' is not used by engine '{entry.name}' (it "
