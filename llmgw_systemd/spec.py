@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .endpoint import is_host
 from .engines import ENGINES, EngineEntry, Http, SpecKey
@@ -512,8 +512,7 @@ def _generation(check: Checker, raw: Any, path: KeyPath) -> GenerationCheck | No
     )
 
 
-@dataclass(frozen=True)
-class Conflict:
+class Conflict(NamedTuple):  # a NamedTuple, as engines/base.py says why
     """Two places in the specs that cannot both hold (a replica name used twice, a node
     with two addresses, a port claimed twice): an error at each, naming the other."""
 
@@ -521,8 +520,7 @@ class Conflict:
     earlier: SpecError
 
 
-@dataclass(frozen=True)
-class Placed:
+class Placed(NamedTuple):
     """A replica with the document and key path it was read from."""
 
     replica: Replica

@@ -70,9 +70,9 @@ KillMode = Literal["control-group", "mixed"]
 PortUse = Literal["HTTP", "rendezvous", "command"]
 
 
-# The two table rows below are NamedTuples, not frozen dataclasses: immutable and typed
-# all the same, and about 0.1 ms to create against 1 ms, on the render path that a
-# generator runs (docs/generator.md, bench/generator.py).
+# The small records of this module are NamedTuples, not frozen dataclasses: immutable and
+# typed all the same, and about 0.1 ms to create against 1 ms, on the render path that a
+# generator runs (docs/generator.md, bench/generator.py, bench/render.py).
 class SpecKey(NamedTuple):
     """One spec key, as the reader allows it and the docs describe it."""
 
@@ -102,8 +102,7 @@ class Step:
     stop_with_grace: bool = False  # ExecStop=llmgw-stop-group: SIGTERM, grace, SIGKILL
 
 
-@dataclass(frozen=True)
-class Http:
+class Http(NamedTuple):
     """The rank that serves HTTP, where the supervisor probes it, and the model name a
     generation check asks for (None: the request names none and the server picks)."""
 
@@ -113,8 +112,7 @@ class Http:
     model: str | None
 
 
-@dataclass(frozen=True)
-class PortClaim:
+class PortClaim(NamedTuple):
     """A port a rank binds, with the key path (in the replica) that set it: two claims
     of one port on one node are a conflict, reported at both places."""
 
