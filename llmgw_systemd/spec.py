@@ -312,16 +312,14 @@ def _replica(check: Checker, raw: Any, path: KeyPath, keys: KeyTable) -> Replica
     # What the units set themselves, and from which key: the spec's env may not set it.
     # A node's own env may set CUDA_VISIBLE_DEVICES (that node's GPUs differ). The nodes
     # were read before the engine said what it sets: their env is checked now.
+    by_engine = engine.reserved_env()
+    by_interface = dict.fromkeys(IFNAME_VARS, "the nodes' interface")
     for rank, node in enumerate(nodes):
-        own = dict(engine.reserved_env())
-        if node.interface is not None:
-            own.update(dict.fromkeys(IFNAME_VARS, "the nodes' interface"))
-        _refuse_reserved(check, node.env, (*path, "nodes", rank, "env"), own)
-    reserved = dict(engine.reserved_env())
-    if any(node.interface for node in nodes):
-        reserved.update(dict.fromkeys(IFNAME_VARS, "the nodes' interface"))
-    if gpus:
-        reserved[GPUS_VAR] = "gpus"
+        own = {**by_engine, **(by_interface if node.interface is not None else {})}
+        for key, _ in node.env:
+            _refuse_reserved(check, (*path, "nodes", rank, "env", key), key, own)
+    reserved = {**by_engine, **(by_interface if any(n.interface for n in nodes) else {}),
+                **({GPUS_VAR: "gpus"} if gpus else {})}
     env: tuple[tuple[str, str], ...] = check.optional(
         data, "env", path, lambda v, p: _env(check, v, p, reserved), ())
     environment_file = check.optional(
@@ -421,9 +419,8 @@ def _env(check: Checker, raw: Any, path: KeyPath, reserved: Mapping[str, str] | 
         if SECRET_NAME_RE.search(key):
             raise check.fail(kpath, f"'{key}' looks like a secret, and unit files are "
                              "world-readable; put it in environment_file instead", at_key=True)
-        if reserved is not None and key in reserved:
-            raise check.fail(kpath, f"'{key}' is set by llmgw-render from {reserved[key]}",
-                             at_key=True)
+        if reserved is not None:
+            _refuse_reserved(check, kpath, key, reserved)
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise check.fail(kpath, f"expected a string value; got {kind(value)}"
                              + (" (quote it: 'true')" if isinstance(value, bool) else ""))
@@ -431,12 +428,11 @@ def _env(check: Checker, raw: Any, path: KeyPath, reserved: Mapping[str, str] | 
     return tuple(out)
 
 
-def _refuse_reserved(check: Checker, env: Sequence[tuple[str, str]], path: KeyPath,
-                     reserved: Mapping[str, str]) -> None:
-    for key, _ in env:
-        if key in reserved:
-            raise check.fail((*path, key), f"'{key}' is set by llmgw-render from "
-                             f"{reserved[key]}", at_key=True)
+def _refuse_reserved(check: Checker, path: KeyPath, key: str, reserved: Mapping[str, str]
+                     ) -> None:
+    if key in reserved:
+        raise check.fail(path, f"'{key}' is set by llmgw-render from {reserved[key]}",
+                         at_key=True)
 
 
 def _restart(check: Checker, raw: Any, path: KeyPath) -> RestartPolicy:

@@ -33,15 +33,11 @@ class Command:
 @dataclass(frozen=True)
 class Commands:
     ranks: tuple[tuple[Command, ...], ...]  # one sequence per node
-    serving: Http | None  # the rank that serves HTTP, if one does
+    http: Http | None  # the rank that serves HTTP, if one does
 
     @property
     def name(self) -> str:
         return "command"
-
-    @property
-    def http(self) -> Http | None:
-        return self.serving
 
     def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
         any_address = wildcard(nodes[rank].address)
@@ -53,7 +49,7 @@ class Commands:
             for i, cmd in enumerate(commands))
 
     def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
-        http = self.serving
+        http = self.http
         claims = [] if http is None else [PortClaim(http.rank, http.port, ("port",), "HTTP")]
         for rank, commands in enumerate(self.ranks):
             for i, cmd in enumerate(commands):

@@ -60,7 +60,6 @@ HTTP_PORT = 8000
 RENDEZVOUS_PORT: dict[LaunchMode, int] = {"ray": 6379, "mp": 29500}
 RayAuth = Literal["disabled", "token"]
 RAY_AUTH_MODES: tuple[RayAuth, ...] = ("disabled", "token")
-_RAY_AUTH_BY_NAME: dict[str, RayAuth] = {m: m for m in RAY_AUTH_MODES}
 DEFAULT_RAY_TOKEN_FILE = "/etc/llmgw/ray-token"  # noqa: S105 - a path, not a secret
 # vLLM's --shutdown-timeout (drain in-flight requests) must end before systemd's SIGKILL.
 SHUTDOWN_MARGIN = 10
@@ -188,7 +187,6 @@ class Vllm:
                 f"{SHUTDOWN_MARGIN} s, or systemd kills the engine while it drains")
 
 
-RAY_KEYS = ("ray_args", "ray_head_args", "ray_num_gpus", "ray_auth", "ray_token_file")
 KEYS = (
     SpecKey("launch_mode", "`ray`", "`ray`: rank 0 runs a Ray head sidecar and `vllm serve "
             "--distributed-executor-backend ray` (with `RAY_ADDRESS`, `VLLM_HOST_IP`); the "
@@ -221,6 +219,8 @@ KEYS = (
             "> /etc/llmgw/ray-token; chmod 600`); a missing file fails the units at start "
             "with status 243/CREDENTIALS, naming it in the journal"),
 )
+# launch_mode ray's own keys: the table's, by their prefix
+RAY_KEYS = tuple(k.name for k in KEYS if k.name.startswith("ray_"))
 
 
 def read(check: Checker, data: Mapping[str, Any], path: KeyPath, nodes: tuple[Node, ...]
@@ -259,8 +259,8 @@ def _read_ray(check: Checker, data: Mapping[str, Any], path: KeyPath) -> RayLaun
     refuse_secret_flags(check, "ray_head_args", head_args, path)
     num_gpus = check.optional(data, "ray_num_gpus", path, lambda v, p: check.integer(
         v, p, 0, 4096, "the GPUs each Ray node offers"), None)
-    auth = _RAY_AUTH_BY_NAME[check.optional(
-        data, "ray_auth", path, lambda v, p: check.choice(v, p, RAY_AUTH_MODES), "disabled")]
+    auth = check.optional(data, "ray_auth", path,
+                          lambda v, p: check.choice(v, p, RAY_AUTH_MODES), "disabled")
     token_file = check.optional(data, "ray_token_file", path,
                                 lambda v, p: check.abs_path(v, p, "the Ray token file"), None)
     if token_file is not None and auth != "token":
