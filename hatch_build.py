@@ -25,7 +25,8 @@ class CompileTemplatesHook(BuildHookInterface):  # type: ignore[type-arg]
             return
         import jinja2
 
-        settings = runpy.run_path(os.path.join(self.root, "llmgw_systemd", "templating.py"))
+        settings = runpy.run_path(os.path.join(self.root, "llmgw_systemd", "units",
+                                               "templating.py"))
         self._out = tempfile.mkdtemp(prefix="llmgw-templates-")
         env = jinja2.Environment(
             loader=jinja2.FileSystemLoader(os.path.join(self.root, "templates")),
@@ -38,7 +39,7 @@ class CompileTemplatesHook(BuildHookInterface):  # type: ignore[type-arg]
         with open(os.path.join(self._out, settings["COMPILED_VERSION_FILE"]), "w",
                   encoding="utf-8") as f:
             f.write(jinja2.__version__)
-        target = f"llmgw_systemd/{settings['COMPILED_PACKAGE_DIR']}"
+        target = f"llmgw_systemd/units/{settings['COMPILED_PACKAGE_DIR']}"
         build_data["force_include"][self._out] = target
 
     def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:

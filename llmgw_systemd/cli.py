@@ -11,18 +11,27 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
-from . import __version__
-from .errors import BadInput, LlmgwError, NoShard, UsageError
-from .install import CREATE, KEEP, REMOVE, UPDATE, Survey, apply, survey, unified_diff
-from .plan import Manager, ShardPlan, plan_node
-from .render import render_shards
-from .sources import read_documents
-from .spec import Replica, build_spec
+from llmgw_systemd import __version__
+from llmgw_systemd.errors import BadInput, LlmgwError, NoShard, UsageError
+from llmgw_systemd.spec.files import read_documents
+from llmgw_systemd.spec.replicas import Replica, build_spec
+from llmgw_systemd.units.install import (
+    CREATE,
+    KEEP,
+    REMOVE,
+    UPDATE,
+    Survey,
+    apply,
+    survey,
+    unified_diff,
+)
+from llmgw_systemd.units.plan import Manager, ShardPlan, plan_node
+from llmgw_systemd.units.render import render_shards
 
 if TYPE_CHECKING:
     import ssl
 
-    from .shards import ShardStatus
+    from llmgw_systemd.supervisor.shard_reader import ShardStatus
 
 SYSTEM_UNIT_DIR = "/etc/systemd/system"
 WAIT_FOR_PORT = "llmgw-wait-for-port"
@@ -156,7 +165,7 @@ def render_command(specs: tuple[str, ...], node: str | None, output: str | None,
 
 def _check_apply_target(directory: str, user_manager: bool) -> None:
     """--apply writes where the manager reads units, or it would restart the old ones."""
-    from .systemctl import unit_path
+    from llmgw_systemd.apply.systemctl import unit_path
 
     searched = unit_path(user_manager)
     if os.path.realpath(directory) not in {os.path.realpath(p) for p in searched}:
@@ -170,9 +179,9 @@ def _render_and_apply(directory: str, rendered: dict[str, str], plans: tuple[Sha
                       generator_too: bool) -> None:
     """Write and make systemd follow, as rollout.decide says, under the directory's
     lock so two applies never interleave. Stops at the first failing step."""
-    from .install import apply_locked, locked
-    from .rollout import decide, group_files
-    from .systemctl import systemctl, unit_states
+    from llmgw_systemd.apply.rollout import decide, group_files
+    from llmgw_systemd.apply.systemctl import systemctl, unit_states
+    from llmgw_systemd.units.install import apply_locked, locked
 
     with locked(directory):
         result = survey(directory, rendered)
@@ -205,7 +214,7 @@ def _render_and_apply(directory: str, rendered: dict[str, str], plans: tuple[Sha
 def _generator_notes(rendered: dict[str, str], user_manager: bool) -> list[str]:
     """Replicas the generator also makes units for: ours take precedence (systemd's
     search order), and the generator skips them from the next daemon-reload on."""
-    from .unitheader import is_generated
+    from llmgw_systemd.units.header import is_generated
 
     if user_manager:
         runtime = os.environ.get("XDG_RUNTIME_DIR", "")
@@ -280,10 +289,10 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
     import json
     import time
 
-    from .health import READY
-    from .probe import http_probe  # noqa: F401 - keeps the import error here, early
-    from .shards import local_shards, probe_shard, read_status
-    from .systemd_dbus import SystemdBus
+    from llmgw_systemd.health.rules import READY
+    from llmgw_systemd.supervisor.probes import http_probe  # noqa: F401 - keeps the import error here, early
+    from llmgw_systemd.supervisor.shard_reader import local_shards, probe_shard, read_status
+    from llmgw_systemd.supervisor.systemd_bus import SystemdBus
 
     try:
         spec = build_spec(read_documents(specs or DEFAULT_SPECS))
@@ -328,7 +337,7 @@ def _table(rows: Sequence[tuple[str, ...]]) -> None:
 
 def _cluster_tls(cert: str | None, key: str | None, ca: str | None
                  ) -> ssl.SSLContext | None:
-    from .tlsconfig import TlsError, client_context, find_tls_files
+    from llmgw_systemd.supervisor.tls import TlsError, client_context, find_tls_files
 
     try:
         files = find_tls_files(cert, key, ca, credentials_dir=DEFAULT_TLS_DIR
@@ -345,9 +354,9 @@ def _print_cluster(replicas: list[Replica], node: str, statuses: list[ShardStatu
     import json
     from concurrent.futures import ThreadPoolExecutor
 
-    from .cluster import PeerView, all_ready, cluster_rows
-    from .peerclient import PeerError, fetch_shards
-    from .tlsconfig import names_node
+    from llmgw_systemd.health.cluster_view import PeerView, all_ready, cluster_rows
+    from llmgw_systemd.supervisor.peer_client import PeerError, fetch_shards
+    from llmgw_systemd.supervisor.tls import names_node
 
     address = {n.name: n.address for r in replicas for n in r.nodes if n.name != node}
 
@@ -392,7 +401,7 @@ def _default_state_dir(user_manager: bool) -> str:
 
 
 def _endpoint_option(option: str, text: str) -> tuple[str, int]:
-    from .endpoint import is_ip, parse_endpoint
+    from llmgw_systemd.spec.endpoint import is_ip, parse_endpoint
 
     endpoint = parse_endpoint(text)
     if isinstance(endpoint, str):
@@ -435,9 +444,14 @@ def supervisor_command(specs: tuple[str, ...], node: str | None, user_manager: b
     import gc as collector
     import signal
 
-    from .statefile import check_writable
-    from .supervisor import SupervisorConfig, is_loopback, serve
-    from .tlsconfig import TlsError, client_context, find_tls_files, server_context
+    from llmgw_systemd.supervisor.daemon import SupervisorConfig, is_loopback, serve
+    from llmgw_systemd.supervisor.state_file import check_writable
+    from llmgw_systemd.supervisor.tls import (
+        TlsError,
+        client_context,
+        find_tls_files,
+        server_context,
+    )
 
     collector.enable()  # a long-running daemon: _run turned it off for the short-lived CLIs
     try:

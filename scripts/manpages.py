@@ -19,8 +19,12 @@ from pathlib import Path
 
 import click
 
-from llmgw_systemd import __version__, cli, spec, stopgroup, waitport
-from llmgw_systemd.engines import ENGINES, SpecKey
+from llmgw_systemd import __version__, cli
+from llmgw_systemd.helpers import stop_group as stopgroup
+from llmgw_systemd.helpers import wait_for_port as waitport
+from llmgw_systemd.spec import replicas as spec
+from llmgw_systemd.spec.engines.base import SpecKey
+from llmgw_systemd.spec.engines.table import ENGINES
 
 ROOT = Path(__file__).resolve().parents[1]
 MAN_DIR = ROOT / "packaging" / "man"

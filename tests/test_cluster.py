@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_systemd.cluster import PeerView, Row, all_ready, cluster_rows
-from llmgw_systemd.evidence import PeerShard
-from llmgw_systemd.health import State
-from llmgw_systemd.spec import build_spec
-from llmgw_systemd.yamldoc import parse
+from llmgw_systemd.health.cluster_view import PeerView, Row, all_ready, cluster_rows
+from llmgw_systemd.health.evidence import PeerShard
+from llmgw_systemd.health.rules import State
+from llmgw_systemd.spec.document import parse
+from llmgw_systemd.spec.replicas import build_spec
 
 SPEC = """\
 replicas:

@@ -28,7 +28,7 @@ def _sections(page: Path) -> set[str]:
 
 
 def test_sources_are_found() -> None:
-    assert ROOT / "llmgw_systemd" / "plan.py" in SOURCES and len(SOURCES) > 50
+    assert ROOT / "llmgw_systemd" / "units" / "plan.py" in SOURCES and len(SOURCES) > 50
 
 
 def test_citations_point_at_what_exists() -> None:

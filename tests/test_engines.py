@@ -10,13 +10,16 @@ from typing import Any
 
 import pytest
 
-from llmgw_systemd import engines, spec
-from llmgw_systemd.engines import ENGINES, EngineEntry, Http, PortClaim, SpecKey, Step, vllm
 from llmgw_systemd.errors import SpecError
-from llmgw_systemd.plan import Manager, plan_shard
-from llmgw_systemd.render import render_shards
-from llmgw_systemd.specread import Checker
-from llmgw_systemd.yamldoc import KeyPath, format_path, parse
+from llmgw_systemd.spec import replicas as spec
+from llmgw_systemd.spec.document import KeyPath, format_path, parse
+from llmgw_systemd.spec.engines import table as engines
+from llmgw_systemd.spec.engines import vllm
+from llmgw_systemd.spec.engines.base import EngineEntry, Http, PortClaim, SpecKey, Step
+from llmgw_systemd.spec.engines.table import ENGINES
+from llmgw_systemd.spec.reader import Checker
+from llmgw_systemd.units.plan import Manager, plan_shard
+from llmgw_systemd.units.render import render_shards
 
 TWO_NODES = "nodes: [{name: a, address: 10.0.0.1}, {name: b, address: 10.0.0.2}]"
 ONE_NODE = "nodes: [{name: a, address: 10.0.0.1}]"

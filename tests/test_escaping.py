@@ -14,12 +14,12 @@ from strategies import env_names, values
 from unitfile import read_env, read_exec, read_unit
 
 from llmgw_systemd.errors import SpecError, UnsafeValue
-from llmgw_systemd.plan import Manager, plan_node
-from llmgw_systemd.render import render_shards
-from llmgw_systemd.spec import build_spec
-from llmgw_systemd.textrules import find_control_char
-from llmgw_systemd.unitsyntax import env_assignment, exec_line, exec_word, plain_value
-from llmgw_systemd.yamldoc import parse
+from llmgw_systemd.spec.control_chars import find_control_char
+from llmgw_systemd.spec.document import parse
+from llmgw_systemd.spec.replicas import build_spec
+from llmgw_systemd.units.plan import Manager, plan_node
+from llmgw_systemd.units.render import render_shards
+from llmgw_systemd.units.syntax import env_assignment, exec_line, exec_word, plain_value
 
 EXE = "/usr/bin/printf"
 TRICKY = ["%", "100%", "%n", "%%", "$HOME", "${HOME}", "$$", "$", "a;b", ";", "\\", "\\;",

@@ -15,7 +15,7 @@ from generatorrun import GeneratorRun
 from helpers import rendered_dir, run_render, verify_units
 from installed import BIN_DIR, WAIT_FOR_PORT
 
-from llmgw_systemd.unitheader import BY_GENERATOR, BY_RENDER
+from llmgw_systemd.units.header import BY_GENERATOR, BY_RENDER
 
 CASES = sorted((Path(__file__).parent / "cases" / "render").glob("*.yaml"))
 
@@ -237,10 +237,10 @@ def test_nothing_changed_means_no_yaml_and_no_jinja2(tmp_path: Path) -> None:
     gen = world(tmp_path)
     gen.spec("a.yaml", ALPHA)
     first = imports(gen)
-    assert {"yaml", "jinja2", "llmgw_systemd.spec"} <= first
+    assert {"yaml", "jinja2", "llmgw_systemd.spec.replicas"} <= first
     units = gen.units()
     second = imports(gen)
-    assert not {"yaml", "jinja2", "llmgw_systemd.spec", "dataclasses", "typing"} & second
+    assert not {"yaml", "jinja2", "llmgw_systemd.spec.replicas", "dataclasses", "typing"} & second
     assert gen.units() == units and gen.links()
 
 
@@ -265,9 +265,10 @@ def test_the_cache_never_serves_stale_units(tmp_path: Path, change: str) -> None
 
 
 @pytest.mark.parametrize(("module", "old", "new"), [
-    ("unitheader.py", "at every daemon-reload;", "at every daemon-reload (edited);"),
-    # a module of a subpackage counts as much as one at the top
-    ("engines/command.py", 'role=f"command {cmd.name}"', 'role=f"command {cmd.name} (edited)"'),
+    ("units/header.py", "at every daemon-reload;", "at every daemon-reload (edited);"),
+    # a module two folders away from generator/ counts as much as one beside it
+    ("spec/engines/command.py", 'role=f"command {cmd.name}"',
+     'role=f"command {cmd.name} (edited)"'),
 ])
 def test_an_edited_installation_of_the_same_version_is_a_new_cache_key(
         tmp_path: Path, module: str, old: str, new: str) -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_systemd import generated as g
 from llmgw_systemd.errors import SpecError
-from llmgw_systemd.spec import collect_spec
-from llmgw_systemd.yamldoc import Document, parse
+from llmgw_systemd.generator import fast_path as g
+from llmgw_systemd.spec.document import Document, parse
+from llmgw_systemd.spec.names import is_node_name
+from llmgw_systemd.spec.replicas import collect_spec
 
 
 @pytest.mark.parametrize(("scope", "stream", "stderr", "tty", "target"), [
@@ -62,14 +63,25 @@ def test_node_from_file(text: str, result: tuple[str | None, str | None]) -> Non
 
 @pytest.mark.parametrize(("name", "ok"), [
     ("n1", True), ("gpu-a1.example.com", True), ("a_b", True), ("a", True), ("", False),
-    ("a.", False), ("_a", False), ("a/b", False), ("ä", False),
+    ("a.", False), ("_a", False), ("a/b", False), ("ä", False), ("a" * 253, True),
+    ("a" * 254, False),
 ])
-def test_is_node_name(name: str, ok: bool) -> None:
-    """The fast path's own spelling of the spec's rule (it cannot import spec.py)."""
-    from llmgw_systemd.spec import NODE_NAME_RE
+def test_one_node_name_rule_for_the_node_file_and_the_spec(name: str, ok: bool) -> None:
+    """spec/names.py's rule, which the node file (fast path) and the spec both apply."""
+    from llmgw_systemd.spec.replicas import build_spec
 
-    assert g.is_node_name(name) is ok
-    assert bool(NODE_NAME_RE.match(name)) is ok
+    assert is_node_name(name) is ok
+    text = ("replicas:\n  - {name: r, engine: command, serving_rank: null,\n"
+            f"     nodes: [{{name: '{name}', address: 10.0.0.1}}],\n"
+            "     ranks: [{commands: [{argv: [/bin/true]}]}]}\n")
+    try:
+        build_spec([parse(text.encode(), "f.yaml")])
+        accepted = True
+    except SpecError as exc:
+        assert "nodes[0].name" in str(exc), exc
+        accepted = False
+    assert accepted is ok
+    assert (g.node_from_file(name, "F")[0] == name) is ok
 
 
 @pytest.mark.parametrize(("scope", "env", "expected"), [
@@ -155,7 +167,7 @@ def test_collect_spec_keeps_an_unreadable_file_as_its_error() -> None:
 
 
 def test_keep_last_good_carries_a_broken_files_replicas_over() -> None:
-    from llmgw_systemd.spec import keep_last_good
+    from llmgw_systemd.spec.replicas import keep_last_good
 
     before, _ = collect_spec([_doc("a", "x", 1), _doc("b", "y", 2)])
     broken = SpecError("b", 3, "replicas[0].port", "expected a TCP port")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_systemd.grouprestart import GIVE_UP, NOW, WAIT, GroupRestartPolicy, decide
+from llmgw_systemd.health.group_restart import GIVE_UP, NOW, WAIT, GroupRestartPolicy, decide
 
 POLICY = GroupRestartPolicy(delay=5, max_delay=60, budget=3, window=600)
 

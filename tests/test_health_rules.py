@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_systemd.health import (
+from llmgw_systemd.health.rules import (
     DEGRADED,
     FAILED,
     READY,
@@ -17,7 +17,7 @@ from llmgw_systemd.health import (
     replica_health,
     shard_health,
 )
-from llmgw_systemd.unitstate import UnitState
+from llmgw_systemd.health.unit_state import UnitState
 
 S = 1_000_000  # microseconds
 NOW = 1000 * S
@@ -130,6 +130,6 @@ def test_the_states_tuple_is_the_whole_vocabulary() -> None:
     """STATES drives the metrics' labels and the wire check: every State, once each."""
     from typing import get_args
 
-    from llmgw_systemd.health import STATES
+    from llmgw_systemd.health.rules import STATES
 
     assert get_args(State) == STATES

@@ -1,4 +1,4 @@
-"""The bounded HTTP server (llmgw_systemd.httpserve) against real sockets on loopback.
+"""The bounded HTTP server (llmgw_systemd.supervisor.http.server) against real sockets on loopback.
 
 Durations below are liveness limits ("answered at all within 5 s"), never performance
 figures; every loop is bounded.
@@ -29,8 +29,8 @@ from typing import Any
 import h11
 import pytest
 
-from llmgw_systemd import httpserve
-from llmgw_systemd.httpserve import Changes, HttpServer, Request, Response
+from llmgw_systemd.supervisor.http import server as httpserve
+from llmgw_systemd.supervisor.http.server import Changes, HttpServer, Request, Response
 
 LIVE = 5.0  # seconds: "it happened at all"
 BIG = 16 * 1024 * 1024

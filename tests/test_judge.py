@@ -7,11 +7,11 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from llmgw_systemd.evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
-from llmgw_systemd.grouprestart import GroupRestartPolicy
-from llmgw_systemd.health import DEGRADED, FAILED, READY, STARTING, STOPPED, State
-from llmgw_systemd.replicastate import Memory, ReplicaPolicy, RestartShard, judge, refused
-from llmgw_systemd.unitstate import UnitState
+from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
+from llmgw_systemd.health.group_restart import GroupRestartPolicy
+from llmgw_systemd.health.judge import Memory, ReplicaPolicy, RestartShard, judge, refused
+from llmgw_systemd.health.rules import DEGRADED, FAILED, READY, STARTING, STOPPED, State
+from llmgw_systemd.health.unit_state import UnitState
 
 NOW = 1000.0
 GEN, OLD_GEN = "aa" * 16, "bb" * 16

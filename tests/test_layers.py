@@ -1,6 +1,17 @@
-"""The package's boundaries, read from its source: only the CLI imports click, only the
-D-Bus module imports gi or pydbus, and the pure core does no I/O and reads no clock, not
-even through another module of ours."""
+"""The package's boundaries, read from its source. The tree is the architecture: a folder
+is a role, and what it may import is its boundary (docs/design.md §2).
+
+    spec/        spec files -> a validated Spec        pure, but files (reads the specs)
+    units/       a Spec -> unit files                   pure, but render (loads the
+                                                        templates) and install (writes)
+    apply/       --apply: what to restart               rollout pure; systemctl the shell
+    generator/   the systemd generator                  fast_path pure and import-free;
+                                                        slow_path renders; program the shell
+    health/      unit state and evidence -> verdicts    pure
+    supervisor/  the daemon and `status`: D-Bus, probes, peers, TLS, state; http/
+    helpers/     the small programs the units run
+    cli, errors  the top: the only click user; the one exception tree
+"""
 
 from __future__ import annotations
 
@@ -15,31 +26,59 @@ PACKAGE = Path(llmgw_systemd.__file__).parent
 
 
 def _module_name(path: Path) -> str:
-    """'spec', 'engines' (a package's __init__), 'engines.vllm'."""
+    """'cli', 'spec' (a package's __init__), 'spec.engines.vllm'."""
     parts = path.relative_to(PACKAGE).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 # compiled_templates: Jinja2's output, built into the wheel, not our source
 MODULES = sorted(name for name in map(_module_name, PACKAGE.rglob("*.py"))
-                 if name and not name.startswith("compiled_templates"))
+                 if name and "compiled_templates" not in name)
+PACKAGES = sorted(_module_name(p.parent) for p in PACKAGE.rglob("__init__.py")
+                  if p.parent != PACKAGE and "compiled_templates" not in str(p))
 
-# Decisions and data only: spec rules, plans, health, group restarts, the generator's
-# and --apply's choices. render (loads the package's own templates) and generate (renders
-# through it) are the template shell; everything else is an I/O shell or an entry point.
-PURE = {
-    "endpoint", "engines", "errors", "evidence", "generated", "grouprestart", "health",
-    "cluster", "plan", "replicastate", "rollout", "spec", "templating", "textrules",
-    "unitheader",
-    "unitstate", "unitsyntax", "yamldoc", "specread",
-    # every engine module: what it runs is data
-    *(name for name in MODULES if name == "engines" or name.startswith("engines.")),
+
+def under(package: str) -> set[str]:
+    return {m for m in MODULES if m == package or m.startswith(f"{package}.")}
+
+
+# The shells: the only modules that may do I/O. Everything else is pure: decisions and
+# data only (spec rules, plans, health, group restarts, the generator's and --apply's
+# choices), testable without a system.
+SHELLS = {
+    "cli",
+    "spec.files",  # reads spec files and folders
+    "units.render", "units.install",  # loads the package's templates; writes the unit folder
+    "apply.systemctl",
+    "generator.program", "generator.slow_path",  # the generator's I/O; its render
+    *under("supervisor"), *under("helpers"),
 }
+PURE = set(MODULES) - SHELLS
 # What a pure module must not import: processes, sockets, threads, files, the clock.
 IMPURE_STDLIB = {"os", "socket", "subprocess", "time", "threading", "asyncio", "signal",
                  "shutil", "tempfile", "pathlib", "sys", "io", "select", "ssl", "http",
                  "urllib", "fcntl"}
-ONLY_IN = {"click": {"cli"}, "gi": {"systemd_dbus"}, "pydbus": {"systemd_dbus"}}
+# Libraries that belong to one module each.
+ONLY_IN = {"click": {"cli"}, "gi": {"supervisor.systemd_bus"},
+           "pydbus": {"supervisor.systemd_bus"}, "jinja2": {"units.render"},
+           "prometheus_client": {"supervisor.http.metrics"}, "h11": {
+               "supervisor.http.server", "supervisor.peer_client"}}
+# Which role may use which: data flows one way (spec -> units -> files; unit state ->
+# health -> report). A key imports nothing of ours outside its own folder and these.
+MAY_IMPORT = {
+    "errors": set(),
+    "spec": {"errors"},
+    "units": {"errors", "spec"},
+    "apply": {"errors", "units"},
+    "generator": {"errors", "spec", "units"},
+    "health": {"errors", "spec"},
+    # the supervisor plans unit names (units.plan) but never writes units
+    "supervisor": {"errors", "spec", "units.plan", "health", "helpers.sd_notify"},
+    "helpers": {"errors", "spec.endpoint"},
+    "cli": {"errors", "spec", "units", "apply", "health", "supervisor"},
+}
+# Never: the daemon must not reach the writers of unit files.
+NEVER = {"supervisor": {"units.install", "units.render", "apply", "generator"}}
 
 
 def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
@@ -57,41 +96,82 @@ def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
     return out
 
 
-def imports(module: str) -> set[str]:
-    """Every module name imported anywhere in the file at run time (top level or inside
-    functions), ours as 'llmgw_systemd.NAME'."""
+def _source(module: str) -> Path:
     path = PACKAGE.joinpath(*module.split("."))
-    is_package = path.is_dir()
-    source = path / "__init__.py" if is_package else path.with_suffix(".py")
-    tree = ast.parse(source.read_text(encoding="utf-8"))
-    # the package a relative import starts from: the module's own if it is a package
-    here = module.split(".") if is_package else module.split(".")[:-1]
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def imports(module: str, *, typing_too: bool = False) -> set[str]:
+    """Every module name imported anywhere in the file at run time (top level or inside
+    functions; with typing_too, also under TYPE_CHECKING), ours as 'llmgw_systemd.NAME'."""
+    tree = ast.parse(_source(module).read_text(encoding="utf-8"))
+    nodes = list(ast.walk(tree)) if typing_too else _runtime_nodes(tree)
     names: set[str] = set()
-    for node in _runtime_nodes(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level == 0 and node.module:
+            assert node.level == 0, f"{module}: relative import (write llmgw_systemd.X)"
+            if node.module == "llmgw_systemd" or (node.module or "").startswith(
+                    "llmgw_systemd."):
+                # `from llmgw_systemd.units import syntax` imports llmgw_systemd.units.syntax
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    names.add(full if _is_ours(full) else node.module or "")
+            elif node.module:
                 names.add(node.module)
-            elif node.level > 0:
-                base = ["llmgw_systemd", *here[:len(here) - (node.level - 1)]]
-                if node.module:
-                    names.add(".".join([*base, node.module]))
-                else:
-                    names.update(".".join([*base, alias.name]) for alias in node.names)
     names.discard("__future__")
     return names
 
 
-def test_every_module_is_classified() -> None:
-    assert set(MODULES) >= PURE, sorted(PURE - set(MODULES))
+def _is_ours(name: str) -> bool:
+    rel = name.split(".", 1)[1] if "." in name else ""
+    return rel in MODULES
+
+
+def ours(module: str, *, typing_too: bool = False) -> set[str]:
+    """Our modules it imports, as 'spec.replicas' (the version, llmgw_systemd itself, left
+    out: every module may read it)."""
+    return {n.split(".", 1)[1] for n in imports(module, typing_too=typing_too)
+            if n.startswith("llmgw_systemd.")}
+
+
+def role(module: str) -> str:
+    return module.split(".", maxsplit=1)[0]
+
+
+def allowed(module: str, target: str) -> bool:
+    if role(target) == role(module):
+        return True
+    return any(target == a or target.startswith(f"{a}.") for a in MAY_IMPORT[role(module)])
+
+
+def test_every_module_has_a_role() -> None:
+    assert {role(m) for m in MODULES} == set(MAY_IMPORT), sorted(
+        {role(m) for m in MODULES} ^ set(MAY_IMPORT))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_package_init_is_empty(package: str) -> None:
+    """A folder is a job and its imports are its boundary: no re-exports."""
+    assert _source(package).read_text(encoding="utf-8") == "", package
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_data_flows_one_way(module: str) -> None:
+    found = ours(module, typing_too=True)
+    wrong = sorted(t for t in found if not allowed(module, t))
+    assert not wrong, f"{module} ({role(module)}/) imports {wrong}"
+    never = sorted(t for t in found for bad in NEVER.get(role(module), ())
+                   if t == bad or t.startswith(f"{bad}."))
+    assert not never, f"{module} imports the unit writers {never}"
 
 
 @pytest.mark.parametrize("module", MODULES)
 def test_libraries_stay_in_their_one_module(module: str) -> None:
-    for library, allowed in ONLY_IN.items():
+    for library, where in ONLY_IN.items():
         used = {n for n in imports(module) if n == library or n.startswith(f"{library}.")}
-        assert not used or module in allowed, f"{module} imports {library}"
+        assert not used or module in where, f"{module} imports {library}"
 
 
 @pytest.mark.parametrize("module", sorted(PURE))
@@ -99,19 +179,23 @@ def test_the_pure_core_does_no_io(module: str) -> None:
     found = imports(module)
     stdlib = {n.split(".")[0] for n in found if not n.startswith("llmgw_systemd")}
     assert not stdlib & IMPURE_STDLIB, f"{module} imports {sorted(stdlib & IMPURE_STDLIB)}"
-    ours = {n.split(".", 1)[1] for n in found if n.startswith("llmgw_systemd.")}
-    assert ours <= PURE, f"{module} imports the shell modules {sorted(ours - PURE)}"
+    shells = sorted(ours(module) & SHELLS)
+    assert not shells, f"{module} imports the shell modules {shells}"
 
 
 def test_the_generators_fast_path_imports_only_what_it_must() -> None:
-    """generator.py at import time: os, sys, marshal and the import-free generated.py
-    (the rest only inside the functions of its slow path)."""
-    tree = ast.parse((PACKAGE / "generator.py").read_text(encoding="utf-8"))
+    """generator/program.py at import time: os, sys, marshal, the version, fast_path.py
+    and the naming rules it shares with the spec (spec/names.py, import-free); the rest
+    only inside the functions of its slow path."""
+    tree = ast.parse(_source("generator.program").read_text(encoding="utf-8"))
     top: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.Import):
             top.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
-            top.update(f"{'.' * node.level}{node.module or alias.name}" for alias in node.names)
-    assert top == {"marshal", "os", "sys", ".__version__", ".generated"}, top
-    assert imports("generated") == set()
+            top.update(f"{node.module}.{alias.name}" for alias in node.names)
+    assert top == {"marshal", "os", "sys", "llmgw_systemd.__version__",
+                   "llmgw_systemd.generator.fast_path", "llmgw_systemd.spec.names.is_node_name",
+                   "llmgw_systemd.spec.names.is_spec_file"}, top
+    assert imports("generator.fast_path") == {"llmgw_systemd.spec.names"}
+    assert imports("spec.names") == set()

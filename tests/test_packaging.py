@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import llmgw_systemd
-from llmgw_systemd import render
+from llmgw_systemd.units import render
 
 
 def test_package_is_imported_from_the_installed_wheel() -> None:
@@ -40,9 +40,9 @@ def test_compiled_templates_are_used_only_under_the_jinja2_that_made_them(
 def test_compiled_templates_match_their_sources() -> None:
     """The wheel ships the templates compiled (hatch_build.py); they must give exactly
     what the template sources in this tree give, for every node of the example spec."""
-    from llmgw_systemd.plan import Manager, plan_node
-    from llmgw_systemd.sources import read_documents
-    from llmgw_systemd.spec import build_spec
+    from llmgw_systemd.spec.files import read_documents
+    from llmgw_systemd.spec.replicas import build_spec
+    from llmgw_systemd.units.plan import Manager, plan_node
 
     root = Path(__file__).parents[1]
     assert Path(render.COMPILED_DIR).is_dir()

@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from llmgw_systemd.errors import LlmgwError
-from llmgw_systemd.peerclient import (
+from llmgw_systemd.supervisor.peer_client import (
     PEER_ERROR_KINDS,
     PeerAnswer,
     PeerError,

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_systemd.plan import Manager, plan_shard
-from llmgw_systemd.spec import Replica, build_spec
-from llmgw_systemd.yamldoc import parse
+from llmgw_systemd.spec.document import parse
+from llmgw_systemd.spec.replicas import Replica, build_spec
+from llmgw_systemd.units.plan import Manager, plan_shard
 
 SYSTEM = Manager(user=False, wait_for_port="/usr/bin/llmgw-wait-for-port")
 USER = Manager(user=True, wait_for_port="/usr/bin/llmgw-wait-for-port")

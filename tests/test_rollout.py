@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_systemd.plan import Manager, plan_node
-from llmgw_systemd.rollout import ReplicaFiles, Step, UnitState, decide, group_files
-from llmgw_systemd.spec import build_spec
-from llmgw_systemd.systemctl import parse_show
-from llmgw_systemd.yamldoc import parse
+from llmgw_systemd.apply.rollout import ReplicaFiles, Step, UnitState, decide, group_files
+from llmgw_systemd.apply.systemctl import parse_show
+from llmgw_systemd.spec.document import parse
+from llmgw_systemd.spec.replicas import build_spec
+from llmgw_systemd.units.plan import Manager, plan_node
 
 T, E, R = "llmgw-a.target", "llmgw-a-engine.service", "llmgw-a-restart.service"
 ALL = (E, R, T)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_systemd import stopgroup
+from llmgw_systemd.helpers import stop_group as stopgroup
 
 
 @pytest.mark.parametrize(("text", "made", "found"), [

@@ -171,7 +171,7 @@ def test_bad_arguments(args: list[str], message: str) -> None:
 
 
 def test_starts_without_click_jinja2_or_yaml() -> None:
-    code = ("import sys, llmgw_systemd.waitport; "
+    code = ("import sys, llmgw_systemd.helpers.wait_for_port; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'click', 'jinja2', 'yaml'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

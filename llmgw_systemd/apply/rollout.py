@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .plan import ShardPlan
-from .unitheader import replica_of
+from llmgw_systemd.units.header import replica_of
+from llmgw_systemd.units.plan import ShardPlan
 
 # What a step does: a systemctl verb, or the writing of the files.
 Verb = Literal["stop", "reset-failed", "disable", "write", "daemon-reload", "enable",

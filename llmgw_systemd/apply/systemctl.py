@@ -7,8 +7,8 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Sequence
 
-from .errors import SystemctlError
-from .rollout import UnitState
+from llmgw_systemd.apply.rollout import UnitState
+from llmgw_systemd.errors import SystemctlError
 
 SYSTEMCTL = "/usr/bin/systemctl"  # on Debian (merged /usr) and RHEL alike
 PROPERTIES = ("Id", "LoadState", "ActiveState", "NeedDaemonReload", "UnitFileState")

@@ -14,6 +14,8 @@ would cost more than the whole fast path (measured: docs/generator.md).
 
 from __future__ import annotations
 
+from llmgw_systemd.spec.names import is_node_name
+
 TYPE_CHECKING = False  # mypy reads this name as true; Python never imports typing here
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -25,12 +27,10 @@ if TYPE_CHECKING:
 
 ERROR, NOTICE = "error", "notice"
 SYSTEM, USER = "system", "user"
-SPEC_SUFFIXES = (".yaml", ".yml")
 # At most this many lines go to /dev/kmsg per run, the last saying how many more there
 # were: the kernel drops a writer's lines beyond a burst of 10 (printk_devkmsg=ratelimit).
 KMSG_MAX_LINES = 8
 KMSG_MAX_BYTES = 900  # one kmsg record holds a little under 1 KiB of text
-_NODE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 
 
 def config_home(env: Mapping[str, str], home: str) -> str:
@@ -69,13 +69,6 @@ def override_dirs(scope: str, env: Mapping[str, str], home: str) -> tuple[str, .
     return tuple(dirs)
 
 
-def is_node_name(text: str) -> bool:
-    """The spec's rule for node names: letters, digits, '.', '_', '-', starting and
-    ending with a letter or digit."""
-    return (bool(text) and all(c in _NODE_CHARS for c in text)
-            and text[0] not in "_.-" and text[-1] not in "_.-")
-
-
 def node_from_file(text: str, file: str) -> tuple[str | None, str | None]:
     """(node name, None) from the node file's text, or (None, error): one name, blank
     lines and '#' comments ignored."""
@@ -89,11 +82,6 @@ def node_from_file(text: str, file: str) -> tuple[str | None, str | None]:
         return None, (f"{file}: expected a node's host name (letters, digits, '.', '_', '-'); "
                       f"got '{names[0]}'")
     return names[0], None
-
-
-def is_spec_file(name: str) -> bool:
-    """*.yaml and *.yml, not hidden: the one rule for every reader of a spec folder."""
-    return name.endswith(SPEC_SUFFIXES) and not name.startswith(".")
 
 
 def without_overridden(output: Output, present: Mapping[str, str]) -> Output:

@@ -17,14 +17,15 @@ import marshal
 import os
 import sys
 
-from . import __version__
-from . import generated as g
+from llmgw_systemd import __version__
+from llmgw_systemd.generator import fast_path as g
+from llmgw_systemd.spec.names import is_node_name, is_spec_file
 
 TYPE_CHECKING = False  # mypy reads this name as true
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from .generated import Output
+    from llmgw_systemd.generator.fast_path import Output
 
     Key = tuple[object, ...]  # see cache_key()
 
@@ -34,6 +35,8 @@ KMSG = "/dev/kmsg"
 # Bump when the cache's layout changes; the key also holds this installation's files'
 # identities and the interpreter's version (marshal's format can change with it).
 CACHE_FORMAT = 1
+# llmgw_systemd/, two levels up from this file: the cache key covers all of it.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,7 +61,7 @@ def run(normal: str, scope: str, env: Mapping[str, str]) -> tuple[tuple[g.Messag
     base = g.llmgw_dir(scope, env, home)
     spec_dir = f"{base}/replicas.d"
     try:
-        names = sorted(n for n in os.listdir(spec_dir) if g.is_spec_file(n))
+        names = sorted(n for n in os.listdir(spec_dir) if is_spec_file(n))
     except FileNotFoundError:
         return (), 0  # no specs here: this node uses the generator for nothing
     except OSError as exc:
@@ -97,7 +100,7 @@ def node_name(base: str) -> tuple[str | None, str | None]:
             text = f.read(4096)
     except FileNotFoundError:
         host = os.uname().nodename
-        if g.is_node_name(host):
+        if is_node_name(host):
             return host, None
         return None, f"this machine's host name '{host}' is not a node name; write it to {path}"
     except OSError as exc:
@@ -122,11 +125,12 @@ def cache_key(scope: str, bindir: str, node: str,
 
 
 def installation() -> tuple[tuple[str, int, int, int, int], ...]:
-    """The identity of every file of this package, its subpackages (engines/) and its
-    templates: a reinstall or an edited module (even of the same version) makes a new
-    key. Byte code caches are left out: Python rewrites them as it pleases."""
+    """The identity of every file of the whole package (llmgw_systemd/, every subpackage,
+    the templates), not only of this folder: a reinstall or an edited module (even of the
+    same version) makes a new key. Byte code caches are left out: Python rewrites them as
+    it pleases."""
     out = []
-    folders = [os.path.dirname(os.path.abspath(__file__))]
+    folders = [PACKAGE_ROOT]
     while folders:
         folder = folders.pop()
         try:
@@ -212,15 +216,15 @@ def render(contents: tuple[tuple[str, bytes | None], ...], node: str, scope: str
 
     gc.disable()
     try:
-        from .generate import generate
+        from llmgw_systemd.generator.slow_path import generate
     except ImportError:
         if not sys.flags.no_site:
             raise
         import site
 
         site.main()
-        from .generate import generate
-    from .plan import Manager
+        from llmgw_systemd.generator.slow_path import generate
+    from llmgw_systemd.units.plan import Manager
 
     return generate(contents, node, Manager(user=scope == g.USER, wait_for_port=helper),
                     spec_dir)

@@ -11,16 +11,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .errors import BadInput, SpecError
-from .generated import ERROR, NOTICE
-from .plan import Manager, plan_node
-from .render import render_shards
-from .spec import collect_spec
-from .unitheader import BY_GENERATOR
-from .yamldoc import Document, parse
+from llmgw_systemd.errors import BadInput, SpecError
+from llmgw_systemd.generator.fast_path import ERROR, NOTICE
+from llmgw_systemd.spec.document import Document, parse
+from llmgw_systemd.spec.replicas import collect_spec
+from llmgw_systemd.units.header import BY_GENERATOR
+from llmgw_systemd.units.plan import Manager, plan_node
+from llmgw_systemd.units.render import render_shards
 
 if TYPE_CHECKING:  # plain tuples, named in generated.py for the type checker only
-    from .generated import Message, Output, Replica
+    from llmgw_systemd.generator.fast_path import Message, Output, Replica
 
 
 def generate(contents: Sequence[tuple[str, bytes | None]], node: str, manager: Manager,

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .evidence import PeerShard
-from .health import READY, UNKNOWN, State
-from .spec import Replica
+from llmgw_systemd.health.evidence import PeerShard
+from llmgw_systemd.health.rules import READY, UNKNOWN, State
+from llmgw_systemd.spec.replicas import Replica
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .health import State
-from .unitstate import UnitState
+from llmgw_systemd.health.rules import State
+from llmgw_systemd.health.unit_state import UnitState
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from .evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
-from .grouprestart import GIVE_UP, NOW, GroupRestartPolicy, decide
-from .health import (
+from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
+from llmgw_systemd.health.group_restart import GIVE_UP, NOW, GroupRestartPolicy, decide
+from llmgw_systemd.health.rules import (
     DEGRADED,
     FAILED,
     READY,

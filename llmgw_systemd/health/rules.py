@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from .unitstate import UnitState
+from llmgw_systemd.health.unit_state import UnitState
 
 # The health of a shard, a rank or a replica: a closed vocabulary, also on the wire
 # (/v1/shards) and in the metrics' labels.

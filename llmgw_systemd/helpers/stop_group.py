@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import __version__
+from llmgw_systemd import __version__
 
 PROG = "llmgw-stop-group"
 CGROUP_FS = Path("/sys/fs/cgroup")

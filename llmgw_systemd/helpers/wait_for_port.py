@@ -17,10 +17,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from . import __version__
-from .endpoint import Endpoint, parse_endpoint
-from .errors import BadInput
-from .sdnotify import notify
+from llmgw_systemd import __version__
+from llmgw_systemd.errors import BadInput
+from llmgw_systemd.helpers.sd_notify import notify
+from llmgw_systemd.spec.endpoint import Endpoint, parse_endpoint
 
 PROG = "llmgw-wait-for-port"
 

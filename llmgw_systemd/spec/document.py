@@ -12,8 +12,8 @@ from typing import Any, Union
 
 import yaml
 
-from .errors import SpecError
-from .textrules import describe_char, find_control_char
+from llmgw_systemd.errors import SpecError
+from llmgw_systemd.spec.control_chars import describe_char, find_control_char
 
 KeyPath = tuple[Union[str, int], ...]
 _STR_TAG = "tag:yaml.org,2002:str"

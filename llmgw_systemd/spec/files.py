@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from .errors import SpecError
-from .generated import is_spec_file
-from .yamldoc import Document, parse
+from llmgw_systemd.errors import SpecError
+from llmgw_systemd.spec.document import Document, parse
+from llmgw_systemd.spec.names import is_spec_file
 
 
 def spec_files(paths: Sequence[str]) -> list[str]:

@@ -9,9 +9,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, TypeVar
 
-from .endpoint import Endpoint, is_ip, parse_endpoint
-from .errors import SpecError
-from .yamldoc import Document, KeyPath
+from llmgw_systemd.errors import SpecError
+from llmgw_systemd.spec.document import Document, KeyPath
+from llmgw_systemd.spec.endpoint import Endpoint, is_ip, parse_endpoint
 
 T = TypeVar("T")
 

@@ -14,18 +14,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .endpoint import is_host
-from .engines import ENGINES, EngineEntry, Http, SpecKey
-from .errors import SpecError
-from .specread import NAME_RE, Checker, kind
-from .yamldoc import Document, KeyPath, format_path
+from llmgw_systemd.errors import SpecError
+from llmgw_systemd.spec.document import Document, KeyPath, format_path
+from llmgw_systemd.spec.endpoint import is_host
+from llmgw_systemd.spec.engines.base import EngineEntry, Http, SpecKey
+from llmgw_systemd.spec.engines.table import ENGINES
+from llmgw_systemd.spec.names import is_node_name
+from llmgw_systemd.spec.reader import NAME_RE, Checker, kind
 
 if TYPE_CHECKING:
-    from .engines.base import EngineSettings
+    from llmgw_systemd.spec.engines.base import EngineSettings
 
 MAX_REPLICA_NAME = 63
 
-NODE_NAME_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?\Z")
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,30}\$?\Z|[0-9]{1,10}\Z")
 GPU_RE = re.compile(r"[0-9]+\Z|(GPU|MIG)-[A-Za-z0-9/-]+\Z")
@@ -368,8 +369,10 @@ def _nodes(check: Checker, raw: Any, path: KeyPath) -> tuple[Node, ...]:
         npath = (*path, rank)
         data = check.mapping(item, npath, ("name", "address", "interface", "env"),
                              ("name", "address"))
-        name = check.matching(data["name"], (*npath, "name"), NODE_NAME_RE,
-                              "a node's host name (letters, digits, '.', '_', '-')")
+        name = check.string(data["name"], (*npath, "name"), "a node's host name")
+        if not is_node_name(name):
+            raise check.fail((*npath, "name"), "expected a node's host name (letters, "
+                             f"digits, '.', '_', '-'); got '{name}'")
         address = check.string(data["address"], (*npath, "address"),
                                "an IP address or host name")
         if not is_host(address):

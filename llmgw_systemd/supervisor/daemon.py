@@ -26,25 +26,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import api
-from .errors import LlmgwError, SpecError
-from .evidence import LocalEvidence, PeerEvidence, ProbeEvidence
-from .health import READY
-from .httpserve import Changes, HttpServer, Request, Response
-from .metrics import SupervisorMetrics
-from .peerclient import PeerError, fetch_shards
-from .probe import completion_probe, http_probe, probe_address
-from .ratelog import RateLimitedLog
-from .replicastate import Memory, ReplicaPolicy, Verdict, judge, refused
-from .sdnotify import notify, watchdog_interval
-from .shards import LocalShard, local_shards
-from .sources import read_each, spec_files
-from .spec import Spec, collect_spec, keep_last_good
-from .statefile import StateError, load_restarts, save_restarts
-from .systemd_dbus import BusError, SystemdBus
-from .tlsconfig import TlsFiles, client_context, names_node, server_context
-from .unitstate import UnitState
-from .yamldoc import Document
+from llmgw_systemd.errors import LlmgwError, SpecError
+from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, ProbeEvidence
+from llmgw_systemd.health.judge import Memory, ReplicaPolicy, Verdict, judge, refused
+from llmgw_systemd.health.rules import READY
+from llmgw_systemd.health.unit_state import UnitState
+from llmgw_systemd.helpers.sd_notify import notify, watchdog_interval
+from llmgw_systemd.spec.document import Document
+from llmgw_systemd.spec.files import read_each, spec_files
+from llmgw_systemd.spec.replicas import Spec, collect_spec, keep_last_good
+from llmgw_systemd.supervisor.http import api
+from llmgw_systemd.supervisor.http.metrics import SupervisorMetrics
+from llmgw_systemd.supervisor.http.server import Changes, HttpServer, Request, Response
+from llmgw_systemd.supervisor.peer_client import PeerError, fetch_shards
+from llmgw_systemd.supervisor.probes import completion_probe, http_probe, probe_address
+from llmgw_systemd.supervisor.rate_limited_log import RateLimitedLog
+from llmgw_systemd.supervisor.shard_reader import LocalShard, local_shards
+from llmgw_systemd.supervisor.state_file import StateError, load_restarts, save_restarts
+from llmgw_systemd.supervisor.systemd_bus import BusError, SystemdBus
+from llmgw_systemd.supervisor.tls import TlsFiles, client_context, names_node, server_context
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,12 @@ from typing import Any, Callable, NoReturn, TypeVar
 
 import h11
 
-from .errors import LlmgwError
-from .evidence import PeerShard
-from .health import STATE_BY_NAME, STATES
-from .spec import MAX_REPLICA_NAME, NODE_NAME_RE
-from .specread import NAME_RE
+from llmgw_systemd.errors import LlmgwError
+from llmgw_systemd.health.evidence import PeerShard
+from llmgw_systemd.health.rules import STATE_BY_NAME, STATES
+from llmgw_systemd.spec.names import MAX_NODE_NAME, is_node_name
+from llmgw_systemd.spec.reader import NAME_RE
+from llmgw_systemd.spec.replicas import MAX_REPLICA_NAME
 
 __all__ = ["PEER_ERROR_KINDS", "PeerAnswer", "PeerError", "ShardReport", "fetch_shards"]
 
@@ -50,7 +51,6 @@ USER_AGENT = "llmgw-supervisor"
 MAX_SHARDS = 1000
 MAX_REASON = 2000
 MAX_GENERATION = 64
-MAX_NODE_NAME = 255  # a host name is at most 253; node names are host names in practice
 MAX_MESSAGE = 400  # an error message is logged as is: keep one line short
 MAX_HEADER_BYTES = 16 * 1024  # status line plus headers; a real peer sends a few hundred
 RECV_SIZE = 64 * 1024
@@ -392,8 +392,7 @@ def _integer(value: Any, path: str) -> int:
 
 
 def _node_name(value: Any, path: str) -> str:
-    if not (isinstance(value, str) and len(value) <= MAX_NODE_NAME
-            and NODE_NAME_RE.match(value)):
+    if not (isinstance(value, str) and is_node_name(value)):
         raise _Malformed(path, "expected a node name (letters, digits, '_', '.', '-', at "
                          f"most {MAX_NODE_NAME}), got {_show(value)}")
     return value

@@ -6,7 +6,7 @@ import http.client
 import json
 import time
 
-from .health import Probe
+from llmgw_systemd.health.rules import Probe
 
 WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # noqa: S104 - a bind address, not a target
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .health import Health, Probe, shard_health
-from .plan import Manager, ShardPlan, plan_node
-from .probe import http_probe, probe_address
-from .spec import Replica, Spec
-from .systemd_dbus import SystemdBus
-from .unitstate import UnitState
+from llmgw_systemd.health.rules import Health, Probe, shard_health
+from llmgw_systemd.health.unit_state import UnitState
+from llmgw_systemd.spec.replicas import Replica, Spec
+from llmgw_systemd.supervisor.probes import http_probe, probe_address
+from llmgw_systemd.supervisor.systemd_bus import SystemdBus
+from llmgw_systemd.units.plan import Manager, ShardPlan, plan_node
 
 # Unit names do not depend on where the helper lives: any path will do for planning.
 _NAMES_ONLY = Manager(user=False, wait_for_port="/usr/bin/llmgw-wait-for-port")

@@ -16,7 +16,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 
-from .errors import LlmgwError
+from llmgw_systemd.errors import LlmgwError
 
 FILE_NAME = "group-restarts.json"
 FORMAT = 1

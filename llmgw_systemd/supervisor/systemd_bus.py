@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .errors import LlmgwError
-from .unitstate import UnitState, missing
+from llmgw_systemd.errors import LlmgwError
+from llmgw_systemd.health.unit_state import UnitState, missing
 
 SYSTEMD = "org.freedesktop.systemd1"
 MANAGER_PATH = "/org/freedesktop/systemd1"

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, Union
 
-from .errors import LlmgwError
+from llmgw_systemd.errors import LlmgwError
 
 # Under $CREDENTIALS_DIRECTORY: one LoadCredential= per file (LoadCredential=node.crt:PATH)
 # delivers these names; the shipped unit's LoadCredential=tls:/etc/llmgw/tls, which loads

@@ -14,8 +14,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import InstallError
-from .unitheader import is_ours
+from llmgw_systemd.errors import InstallError
+from llmgw_systemd.units.header import is_ours
 
 OUR_NAME_RE = re.compile(r"llmgw-[A-Za-z0-9:_.-]+\.(service|target)\Z")
 TEMP_SUFFIX = ".llmgw-tmp"

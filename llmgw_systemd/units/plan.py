@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .endpoint import Endpoint
-from .engines import Step
-from .engines.base import KillMode
-from .errors import NoShard
-from .spec import GPUS_VAR, IFNAME_VARS, Replica, RestartPolicy, Spec
+from llmgw_systemd.errors import NoShard
+from llmgw_systemd.spec.endpoint import Endpoint
+from llmgw_systemd.spec.engines.base import KillMode, Step
+from llmgw_systemd.spec.replicas import GPUS_VAR, IFNAME_VARS, Replica, RestartPolicy, Spec
 
 UNIT_PREFIX = "llmgw-"
 SLEEP = "/usr/bin/sleep"  # coreutils, at this path on Debian and RHEL alike

@@ -12,10 +12,14 @@ from collections.abc import Iterable
 
 import jinja2
 
-from . import unitsyntax
-from .plan import ShardPlan
-from .templating import COMPILED_PACKAGE_DIR, COMPILED_VERSION_FILE, TEMPLATE_OPTIONS
-from .unitheader import BY_RENDER, MARKER
+from llmgw_systemd.units import syntax
+from llmgw_systemd.units.header import BY_RENDER, MARKER
+from llmgw_systemd.units.plan import ShardPlan
+from llmgw_systemd.units.templating import (
+    COMPILED_PACKAGE_DIR,
+    COMPILED_VERSION_FILE,
+    TEMPLATE_OPTIONS,
+)
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 TEMPLATE_DIR = os.path.join(PACKAGE_DIR, "templates")
@@ -34,8 +38,8 @@ def make_environment(template_dir: str | None = None) -> jinja2.Environment:
         loader = jinja2.FileSystemLoader(template_dir or TEMPLATE_DIR)
     env = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined,
                              **TEMPLATE_OPTIONS)  # type: ignore[arg-type]
-    env.filters.update(exec=unitsyntax.exec_line, env=unitsyntax.env_assignment,
-                       value=unitsyntax.plain_value)
+    env.filters.update(exec=syntax.exec_line, env=syntax.env_assignment,
+                       value=syntax.plain_value)
     return env
 
 
@@ -65,7 +69,7 @@ def header(plan: ShardPlan, unit: str, written_by: str = BY_RENDER) -> str:
         MARKER,
         written_by,
         f"# Local changes go in a drop-in: systemctl edit {unit}",
-        f"# Source: {unitsyntax.comment(plan.source)}, replica {plan.replica}, node "
+        f"# Source: {syntax.comment(plan.source)}, replica {plan.replica}, node "
         f"{plan.node}, rank {plan.rank} of {plan.ranks}",
     ))
 

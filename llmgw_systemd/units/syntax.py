@@ -13,8 +13,8 @@ import json
 import re
 from collections.abc import Iterable
 
-from .errors import UnsafeValue
-from .textrules import describe_char, find_control_char
+from llmgw_systemd.errors import UnsafeValue
+from llmgw_systemd.spec.control_chars import describe_char, find_control_char
 
 
 def _check(text: str, what: str) -> None:

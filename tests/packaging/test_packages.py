@@ -119,11 +119,11 @@ def test_deb_holds_what_it_should_and_nothing_from_the_build() -> None:
                 "/etc/llmgw/replicas.d/",
                 "/usr/share/doc/llmgw-systemd/examples/replicas.yaml",
                 "/usr/lib/python3/dist-packages/llmgw_systemd/cli.py",
-                "/usr/lib/python3/dist-packages/llmgw_systemd/templates/service.j2",
+                "/usr/lib/python3/dist-packages/llmgw_systemd/units/templates/service.j2",
                 *(f"{p}.gz" for p in MAN_PAGES), *COMPLETIONS]  # dh_installman gzips
     for path in expected:
         assert path in files, path
-    assert any("/llmgw_systemd/compiled_templates/tmpl_" in f for f in files)
+    assert any("/llmgw_systemd/units/compiled_templates/tmpl_" in f for f in files)
     listing = deb_listing()
     assert listing["/etc/llmgw/tls/"][0] == "drwx------"  # the node's TLS key goes there
     assert listing[GENERATOR] == ("-rwxr-xr-x", None)
@@ -186,7 +186,7 @@ def test_rpm_files_requirements_and_scripts(tmp_path: Path) -> None:
         assert path in files, path
     for page in MAN_PAGES:  # compressed by rpm's brp-compress where the build host has it
         assert any(f in files for f in (page, f"{page}.gz", f"{page}.xz", f"{page}.zst")), page
-    assert any(f.endswith("/site-packages/llmgw_systemd/templates/service.j2") for f in files)
+    assert any(f.endswith("/site-packages/llmgw_systemd/units/templates/service.j2") for f in files)
     # the pure directory the package's own modules are in, then the arch one (RHEL's and
     # Fedora's python3-pyyaml is arch-specific) of the same Python
     sitelib = next(f for f in files if re.fullmatch(r"/usr/lib/python3\.\d+/site-packages/"

@@ -14,14 +14,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple
 
-from ..endpoint import Endpoint
-from ..specread import Checker
-from ..yamldoc import KeyPath
+from llmgw_systemd.spec.document import KeyPath
+from llmgw_systemd.spec.endpoint import Endpoint
+from llmgw_systemd.spec.reader import Checker
 
 if TYPE_CHECKING:  # types only: a Protocol costs import time on the render path
     from typing import Protocol
 
-    from ..spec import Node
+    from llmgw_systemd.spec.replicas import Node
 
     class EngineSettings(Protocol):
         """One replica's engine keys, validated, and what follows from them. mypy checks

@@ -7,13 +7,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..endpoint import Endpoint
-from ..specread import NAME_RE, Checker
-from ..yamldoc import KeyPath
-from .base import EngineEntry, Http, PortClaim, SpecKey, Step, wildcard
+from llmgw_systemd.spec.document import KeyPath
+from llmgw_systemd.spec.endpoint import Endpoint
+from llmgw_systemd.spec.engines.base import EngineEntry, Http, PortClaim, SpecKey, Step, wildcard
+from llmgw_systemd.spec.reader import NAME_RE, Checker
 
 if TYPE_CHECKING:
-    from ..spec import Node
+    from llmgw_systemd.spec.replicas import Node
 
 # Where the supervisor probes a command's HTTP port: the spec does not say which address
 # it binds, so the wildcard (probed on loopback).

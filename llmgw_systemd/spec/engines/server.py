@@ -7,9 +7,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..specread import Checker, ip_address
-from ..yamldoc import KeyPath
-from .base import Http, PortClaim, SpecKey, flag_value, refuse_secret_flags
+from llmgw_systemd.spec.document import KeyPath
+from llmgw_systemd.spec.engines.base import (
+    Http,
+    PortClaim,
+    SpecKey,
+    flag_value,
+    refuse_secret_flags,
+)
+from llmgw_systemd.spec.reader import Checker, ip_address
 
 DEFAULT_VIRTUALENV = "/usr/local"
 DEFAULT_HOST = "0.0.0.0"  # noqa: S104 - the gateway must reach the serving rank

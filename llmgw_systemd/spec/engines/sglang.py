@@ -12,14 +12,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..endpoint import Endpoint
-from ..specread import Checker
-from ..yamldoc import KeyPath
-from .base import EngineEntry, Http, PortClaim, Step, uses_rendezvous, wildcard
-from .server import Server, read_server, server_keys
+from llmgw_systemd.spec.document import KeyPath
+from llmgw_systemd.spec.endpoint import Endpoint
+from llmgw_systemd.spec.engines.base import (
+    EngineEntry,
+    Http,
+    PortClaim,
+    Step,
+    uses_rendezvous,
+    wildcard,
+)
+from llmgw_systemd.spec.engines.server import Server, read_server, server_keys
+from llmgw_systemd.spec.reader import Checker
 
 if TYPE_CHECKING:
-    from ..spec import Node
+    from llmgw_systemd.spec.replicas import Node
 
 HTTP_PORT = 30000
 RENDEZVOUS_PORT = 20000

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import command, sglang, vllm
-from .base import EngineEntry, Http, PortClaim, SpecKey, Step
+from llmgw_systemd.spec.engines import command, sglang, vllm
+from llmgw_systemd.spec.engines.base import EngineEntry, Http, PortClaim, SpecKey, Step
 
 if TYPE_CHECKING:
-    from .base import EngineSettings
+    from llmgw_systemd.spec.engines.base import EngineSettings
 
 ENGINES: dict[str, EngineEntry] = {e.name: e for e in (vllm.ENTRY, sglang.ENTRY,
                                                        command.ENTRY)}

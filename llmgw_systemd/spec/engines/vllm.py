@@ -14,11 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..endpoint import Endpoint, is_ip
-from ..errors import unreachable
-from ..specread import Checker
-from ..yamldoc import KeyPath
-from .base import (
+from llmgw_systemd.errors import unreachable
+from llmgw_systemd.spec.document import KeyPath
+from llmgw_systemd.spec.endpoint import Endpoint, is_ip
+from llmgw_systemd.spec.engines.base import (
     EngineEntry,
     Http,
     KillMode,
@@ -30,12 +29,13 @@ from .base import (
     uses_rendezvous,
     wildcard,
 )
-from .server import Server, read_server, server_keys
+from llmgw_systemd.spec.engines.server import Server, read_server, server_keys
+from llmgw_systemd.spec.reader import Checker
 
 if TYPE_CHECKING:  # types only: a Protocol costs import time on the render path
     from typing import Protocol
 
-    from ..spec import Node
+    from llmgw_systemd.spec.replicas import Node
 
     class Launch(Protocol):
         """What a launch mode decides: the steps of each rank, the variables its units set,

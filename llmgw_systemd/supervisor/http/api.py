@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .httpserve import Changes, Request, Response
+from llmgw_systemd.supervisor.http.server import Changes, Request, Response
 
 API_VERSION = "v1"
 REPLICA_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}\Z")

@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from .health import STATES, State
+from llmgw_systemd.health.rules import STATES, State
 
 
 class _StatsCollector(Collector):

@@ -32,7 +32,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import h11
 
-from .ratelog import RateLimitedLog
+from llmgw_systemd.supervisor.rate_limited_log import RateLimitedLog
 
 _MAX_HEAD = 8192  # bytes of request line + headers
 _MAX_QUERY_PAIRS = 16

@@ -1,0 +1,20 @@
+"""The naming rules every reader shares, import-free (pure): which files in a spec folder
+are specs, and what a node name may be. The generator's fast path uses them before it
+has imported anything else (docs/generator.md), the spec reader and the peer client
+after; so each rule is written once, here."""
+
+SPEC_SUFFIXES = (".yaml", ".yml")
+_NODE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+MAX_NODE_NAME = 253  # a host name's length at most
+
+
+def is_spec_file(name: str) -> bool:
+    """*.yaml and *.yml, not hidden: the one rule for every reader of a spec folder."""
+    return name.endswith(SPEC_SUFFIXES) and not name.startswith(".")
+
+
+def is_node_name(text: str) -> bool:
+    """A node's host name: letters, digits, '.', '_', '-', starting and ending with a
+    letter or digit, at most MAX_NODE_NAME characters."""
+    return (0 < len(text) <= MAX_NODE_NAME and all(c in _NODE_CHARS for c in text)
+            and text[0] not in "_.-" and text[-1] not in "_.-")
