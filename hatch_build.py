@@ -35,7 +35,7 @@ class CompileTemplatesHook(BuildHookInterface):  # type: ignore[type-arg]
         env.filters.update(dict.fromkeys(settings["FILTER_NAMES"], str))
         env.compile_templates(self._out, zip=None, ignore_errors=False)
         # Compiled templates import names from jinja2.runtime that differ between Jinja2
-        # versions (RHEL 9 ships 2.11): render.py uses them only under the one that made them.
+        # versions (RHEL 9 ships 2.11): units/render.py uses them only under the one that made them.
         with open(os.path.join(self._out, settings["COMPILED_VERSION_FILE"]), "w",
                   encoding="utf-8") as f:
             f.write(jinja2.__version__)

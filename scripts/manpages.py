@@ -3,7 +3,7 @@ every command from the commands' own definitions: click's for llmgw-render,
 llmgw-systemd and llmgw-supervisor, argparse's for the two unit helpers. Options and
 their help exist once, in the code; the prose around them is the table below. The
 README's spec key tables come the same way from the key tables the spec reader uses
-(spec.COMMON_KEYS and each engine's entry in llmgw_systemd/engines/).
+(spec/replicas.py's COMMON_KEYS and each engine's entry in spec/engines/).
 
     .venv/bin/python scripts/manpages.py [--check]
 
@@ -274,7 +274,7 @@ def completion(cmd: Command) -> str:
 
 README = ROOT / "README.md"
 KEYS_BEGIN = ("<!-- spec keys: written by scripts/manpages.py from spec.COMMON_KEYS and "
-              "llmgw_systemd/engines/ -->\n")
+              "llmgw_systemd/spec/engines/ -->\n")
 KEYS_END = "<!-- end of spec keys -->\n"
 
 

@@ -1,4 +1,4 @@
-"""The engine table (llmgw_systemd/engines/): what each engine and launch mode says about
+"""The engine table (llmgw_systemd/spec/engines/): what each engine and launch mode says about
 itself, one row per engine entry; that every entry's key table is exactly what the
 reader allows; and that an engine is added with one module and nothing else."""
 

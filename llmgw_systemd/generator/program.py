@@ -1,10 +1,11 @@
 """llmgw-systemd-generator NORMAL_DIR [EARLY_DIR LATE_DIR]: this node's units from the
 spec folder, at every boot and every daemon-reload (systemd.generator(7);
-docs/generator.md). The I/O shell; generated.py and generate.py decide.
+docs/generator.md). The I/O shell; fast_path.py and slow_path.py decide.
 
 Fast path: when the spec files, the node, this installation and the scope are byte for
 byte those the cache was made from, it writes the cached units, having imported only
-os, sys, marshal and generated.py. Otherwise it renders through generate.py and
+os, sys, marshal, fast_path.py and spec/names.py. Otherwise it renders through
+slow_path.py and
 refreshes the cache. The launcher starts Python with -S (site's .pth files can cost
 more than the whole fast path) and names the package directories itself. Whichever
 path, an admin's unit of the same name wins, and nothing is written but the output and

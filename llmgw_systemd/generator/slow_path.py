@@ -19,7 +19,7 @@ from llmgw_systemd.units.header import BY_GENERATOR
 from llmgw_systemd.units.plan import Manager, plan_node
 from llmgw_systemd.units.render import render_shards
 
-if TYPE_CHECKING:  # plain tuples, named in generated.py for the type checker only
+if TYPE_CHECKING:  # plain tuples, named in fast_path.py for the type checker only
     from llmgw_systemd.generator.fast_path import Message, Output, Replica
 
 

@@ -1,7 +1,7 @@
 """What the supervisor gathered about a replica, as plain data (pure; no I/O, no clock).
 
 Every piece of evidence says where it came from and which shard generation it was taken
-for, and carries the time it was taken, so the rules in `replicastate` can refuse what is
+for, and carries the time it was taken, so the rules in `judge` can refuse what is
 stale or belongs to an earlier start (docs/supervisor.md, "Evidence"). A generation is
 the engine unit's systemd InvocationID: it changes on every start of the shard, and is ""
 while the engine has never been started.

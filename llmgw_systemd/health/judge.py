@@ -15,7 +15,7 @@ Rules (docs/supervisor.md):
   counted, never believed.
 - A rank that failed, or started again since the replica was last ready, takes every
   rank down with it (Ray placement groups, torch process groups): every node restarts
-  its own shard, with backoff and a budget (grouprestart).
+  its own shard, with backoff and a budget (group_restart.py).
 - When the rank that hosts the rendezvous (rank 0) is stopped, a rank whose engine
   started before that is a broken half (a headless vLLM rank outlives its rank 0
   indefinitely): it restarts once, to wait for a new rank 0, under the same backoff and

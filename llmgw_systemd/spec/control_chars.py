@@ -1,6 +1,6 @@
 """Characters no spec value may carry, because no unit file may hold them (pure): the one
-rule both the spec reader (yamldoc, which refuses them early, with their line) and the
-unit writer (unitsyntax, the last check before a unit file) apply."""
+rule both the spec reader (spec/document.py, which refuses them early, with their line) and the
+unit writer (units/syntax.py, the last check before a unit file) apply."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Typed reads from one parsed spec document (pure): each read fails with one SpecError
 naming the file, the line, the key path and what was expected. The spec's common keys
-(spec.py) and every engine module (engines/) read their keys through this."""
+(spec/replicas.py) and every engine module (spec/engines/) read their keys through this."""
 
 from __future__ import annotations
 

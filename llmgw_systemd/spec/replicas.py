@@ -3,7 +3,7 @@
 Every check raises one SpecError naming file, line, key path and what was expected.
 Files and replicas are checked in document order, so the first bad replica a user sees
 is the first in the file. Within a replica: its name, its engine, which keys it may
-have, its nodes, then its engine's own keys (read by the engine's entry in engines/),
+have, its nodes, then its engine's own keys (read by the engine's entry in spec/engines/),
 then the rest of the keys every engine has.
 """
 
@@ -86,7 +86,7 @@ class GenerationCheck:
 
 @dataclass(frozen=True)
 class GroupRestartPolicy:
-    """A replica's group_restart (the supervisor's, grouprestart.py): the delay before
+    """A replica's group_restart (the supervisor's, health/group_restart.py): the delay before
     the nth restart in a window is delay x 2^(n-1), at most max_delay; at most budget
     restarts within window seconds. Here, not there: the render path reads it and need
     not import the supervisor's rules."""
@@ -100,7 +100,7 @@ class GroupRestartPolicy:
 @dataclass(frozen=True)
 class Replica:
     """One replica of a model across its nodes, validated: the keys every engine has,
-    and its engine's own settings (engines/)."""
+    and its engine's own settings (spec/engines/)."""
 
     name: str
     nodes: tuple[Node, ...]
@@ -148,7 +148,7 @@ def _inline(policy: Any, skip: tuple[str, ...] = ()) -> str:
     return f"`{{{fields}}}`"
 
 
-# The keys every engine has: with each engine's own table (engines/) the whole of what a
+# The keys every engine has: with each engine's own table (spec/engines/) the whole of what a
 # replica may say; the reader allows these names and the README's tables are written
 # from them (scripts/manpages.py).
 COMMON_KEYS = (
@@ -511,7 +511,7 @@ def _generation(check: Checker, raw: Any, path: KeyPath) -> GenerationCheck | No
     )
 
 
-class Conflict(NamedTuple):  # a NamedTuple, as engines/base.py says why
+class Conflict(NamedTuple):  # a NamedTuple, as spec/engines/base.py says why
     """Two places in the specs that cannot both hold (a replica name used twice, a node
     with two addresses, a port claimed twice): an error at each, naming the other."""
 

@@ -1,7 +1,7 @@
-"""llmgw-supervisor: the I/O shell around the pure rules in `replicastate`.
+"""llmgw-supervisor: the I/O shell around the pure rules in `health/judge.py`.
 
 It gathers evidence (systemd over D-Bus, HTTP probes of this node's serving ranks, the
-peer supervisors' reports), calls `replicastate.judge` for each replica, carries out the
+peer supervisors' reports), calls `judge` (health/judge.py) for each replica, carries out the
 actions it returns (restart this node's shard), and publishes the result (JSON API,
 metrics, sd_notify STATUS=). It decides nothing in the middle of I/O.
 

@@ -1,8 +1,8 @@
 """The header of every unit file we write (pure): the marker that makes a file ours,
 the line that says who wrote it, and reading them back. Only files that carry the marker
-are ever rewritten or removed (install.py); the generator's files say so on line 2
+are ever rewritten or removed (units/install.py); the generator's files say so on line 2
 (cli.py notes a replica made both ways); a file's replica comes from its Source line
-(rollout.py, for files about to be removed).
+(apply/rollout.py, for files about to be removed).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Plans -> unit file texts, through the Jinja2 templates shipped in the package.
 
-The templates only lay out lines; every value goes through a filter from unitsyntax,
+The templates only lay out lines; every value goes through a filter from units/syntax.py,
 so escaping lives in one place.
 """
 

@@ -5,7 +5,7 @@ No imports here, so the build hook can load this file on its own."""
 # Line layout only: what each option does to whitespace must be the same when the
 # templates are compiled at build time and when they are read from source.
 TEMPLATE_OPTIONS = {
-    "autoescape": False,  # unit files, not HTML; escaping is done by unitsyntax filters
+    "autoescape": False,  # unit files, not HTML; escaping is done by the units/syntax.py filters
     "trim_blocks": True,
     "lstrip_blocks": True,
     "keep_trailing_newline": True,

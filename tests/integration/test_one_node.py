@@ -314,7 +314,7 @@ def test_an_enabled_replica_comes_back_when_its_manager_starts(
 
 def test_a_user_manager_loads_no_credentials(one_node: UserManager, tmp_path: Path) -> None:
     """The fact the planner relies on when it names the Ray token file itself under a
-    user manager (plan.py, docs/design.md §6): systemd 252's user manager sets
+    user manager (units/plan.py, docs/design.md §6): systemd 252's user manager sets
     $CREDENTIALS_DIRECTORY for LoadCredential= but leaves the directory empty. If a
     later systemd loads them, this fails, and the user units can use credentials too."""
     secret, out = tmp_path / "secret", tmp_path / "seen"

@@ -3,8 +3,8 @@
 An engine module (vllm, sglang, command) holds everything about its engine in one
 place: its spec keys (the table that drives both the reader and the docs), their
 defaults, the environment its units set, the steps each rank runs, which rank serves
-HTTP, which exits are clean. The spec reader (spec.py) reads the keys every engine has
-and hands the rest to the engine's entry; the planner (plan.py) asks the engine for its
+HTTP, which exits are clean. The spec reader (spec/replicas.py) reads the keys every engine has
+and hands the rest to the engine's entry; the planner (units/plan.py) asks the engine for its
 steps and knows nothing else of it (docs/design.md §2).
 """
 
@@ -123,7 +123,7 @@ class PortClaim(NamedTuple):
 
 
 class EngineEntry(NamedTuple):
-    """One row of the engine table (engines/__init__.py)."""
+    """One row of the engine table (spec/engines/table.py)."""
 
     name: str  # the spec's `engine:` value
     summary: str  # one line for the docs
