@@ -14,7 +14,8 @@ import click
 from llmgw_systemd import __version__
 from llmgw_systemd.errors import BadInput, LlmgwError, NoShard, UsageError
 from llmgw_systemd.spec.files import read_documents
-from llmgw_systemd.spec.replicas import Replica, build_spec
+from llmgw_systemd.spec.model import Replica
+from llmgw_systemd.spec.replicas import build_spec
 from llmgw_systemd.units.install import (
     CREATE,
     KEEP,

@@ -3,7 +3,7 @@ every command from the commands' own definitions: click's for llmgw-render,
 llmgw-systemd and llmgw-supervisor, argparse's for the two unit helpers. Options and
 their help exist once, in the code; the prose around them is the table below. The
 README's spec key tables come the same way from the key tables the spec reader uses
-(spec/replicas.py's COMMON_KEYS and each engine's entry in spec/engines/).
+(the key rows of spec/common_keys.py and of each engine in spec/engines/).
 
     .venv/bin/python scripts/manpages.py [--check]
 
@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import click
 
 from llmgw_systemd import __version__, cli
 from llmgw_systemd.helpers import stop_group as stopgroup
 from llmgw_systemd.helpers import wait_for_port as waitport
-from llmgw_systemd.spec import replicas as spec
-from llmgw_systemd.spec.engines.base import SpecKey
+from llmgw_systemd.spec.common_keys import COMMON_KEYS
 from llmgw_systemd.spec.engines.table import ENGINES
+from llmgw_systemd.spec.keys import Key
 
 ROOT = Path(__file__).resolve().parents[1]
 MAN_DIR = ROOT / "packaging" / "man"
@@ -273,19 +275,19 @@ def completion(cmd: Command) -> str:
 
 
 README = ROOT / "README.md"
-KEYS_BEGIN = ("<!-- spec keys: written by scripts/manpages.py from spec.COMMON_KEYS and "
-              "llmgw_systemd/spec/engines/ -->\n")
+KEYS_BEGIN = ("<!-- spec keys: written by scripts/manpages.py from the key rows of "
+              "spec/common_keys.py and spec/engines/ -->\n")
 KEYS_END = "<!-- end of spec keys -->\n"
 
 
-def key_table(keys: tuple[SpecKey, ...]) -> list[str]:
+def key_table(keys: Sequence[Key[Any]]) -> list[str]:
     rows = ["| key | default | meaning |", "|---|---|---|"]
-    rows += [f"| `{k.name}` | {k.default} | {k.meaning} |" for k in keys]
+    rows += [f"| `{k.name}` | {k.shown_default()} | {k.meaning} |" for k in keys]
     return rows
 
 
 def spec_keys() -> str:
-    lines = ["Every engine:", "", *key_table(spec.COMMON_KEYS)]
+    lines = ["Every engine:", "", *key_table(COMMON_KEYS)]
     for entry in ENGINES.values():
         lines += ["", f"`engine: {entry.name}`: {entry.summary}.", "", *key_table(entry.keys)]
     return "\n".join(lines) + "\n"

@@ -11,13 +11,16 @@ from typing import Any
 import pytest
 
 from llmgw_systemd.errors import SpecError
+from llmgw_systemd.spec import common_keys
 from llmgw_systemd.spec import replicas as spec
 from llmgw_systemd.spec.document import KeyPath, format_path, parse
 from llmgw_systemd.spec.engines import table as engines
 from llmgw_systemd.spec.engines import vllm
-from llmgw_systemd.spec.engines.base import EngineEntry, Http, PortClaim, SpecKey, Step
+from llmgw_systemd.spec.engines.base import EngineEntry, Http, PortClaim, Step
 from llmgw_systemd.spec.engines.table import ENGINES
-from llmgw_systemd.spec.reader import Checker
+from llmgw_systemd.spec.keys import Key, tcp_port
+from llmgw_systemd.spec.model import Node, Replica
+from llmgw_systemd.spec.reader import Reader
 from llmgw_systemd.units.plan import Manager, plan_shard
 from llmgw_systemd.units.render import render_shards
 
@@ -28,7 +31,7 @@ COMMANDS_2 = ("engine: command\nport: 9000\nranks: [{commands: [{argv: [/bin/a],
               "[/bin/b]}]}]\n" + TWO_NODES)
 
 
-def replica(body: str) -> spec.Replica:
+def replica(body: str) -> Replica:
     text = "replicas:\n  - name: r\n" + "".join(f"    {line}\n" for line in body.splitlines())
     return spec.build_spec([parse(text.encode(), "spec.yaml")]).replicas[0]
 
@@ -119,7 +122,7 @@ def test_what_each_engine_says_about_a_replica(what: str) -> None:
     assert (least and least[0]) == row.least_stop_timeout
 
 
-def _kind(r: spec.Replica) -> tuple[str, str | None]:
+def _kind(r: Replica) -> tuple[str, str | None]:
     launch = getattr(r.engine, "launch", None)
     return r.engine.name, None if launch is None else launch.name
 
@@ -187,8 +190,8 @@ def test_each_key_in_a_table_is_read(entry: EngineEntry) -> None:
     (or makes the spec wrong): no key is allowed and then ignored."""
     names = entry.key_names
     assert len(set(names)) == len(names), "a key listed twice"
-    assert not set(names) & set(spec.COMMON_KEY_NAMES), "an engine key that every engine has"
-    assert all(k.default and k.meaning for k in entry.keys)
+    assert not set(names) & set(common_keys.COMMON_KEY_NAMES), "an engine key that every engine has"
+    assert all(k.shown_default() and k.meaning for k in entry.keys)
     covered: set[str] = set()
     for sample in SAMPLES[entry.name]:
         lines = sample.splitlines()
@@ -228,7 +231,7 @@ class Echo:
     def http(self) -> Http:
         return Http(0, "127.0.0.1", self.port, None)
 
-    def steps(self, replica: str, nodes: Sequence[spec.Node], rank: int) -> tuple[Step, ...]:
+    def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
         return (Step(name="engine", role="echo server",
                      argv=("/usr/bin/echo-server", "--port", str(self.port))),)
 
@@ -245,12 +248,15 @@ class Echo:
         return None
 
 
-def _read_echo(check: Checker, data: Mapping[str, Any], path: KeyPath,
-               nodes: tuple[spec.Node, ...]) -> Echo:
-    return Echo(check.optional(data, "port", path, check.port, 7))
+ECHO_PORT = Key("port", tcp_port, 7, "its port")
 
 
-ECHO = EngineEntry("echo", "an echo server", (SpecKey("port", "7", "its port"),), _read_echo)
+def _read_echo(reader: Reader, data: Mapping[str, Any], path: KeyPath,
+               nodes: tuple[Node, ...]) -> Echo:
+    return Echo(ECHO_PORT.read(reader, data, path))
+
+
+ECHO = EngineEntry("echo", "an echo server", (ECHO_PORT,), _read_echo)
 
 
 def test_an_engine_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> None:

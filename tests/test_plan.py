@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from llmgw_systemd.spec.document import parse
-from llmgw_systemd.spec.replicas import Replica, build_spec
+from llmgw_systemd.spec.model import Replica
+from llmgw_systemd.spec.replicas import build_spec
 from llmgw_systemd.units.plan import Manager, plan_shard
 
 SYSTEM = Manager(user=False, wait_for_port="/usr/bin/llmgw-wait-for-port")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from llmgw_systemd.health.evidence import PeerShard
 from llmgw_systemd.health.rules import READY, UNKNOWN, State
-from llmgw_systemd.spec.replicas import Replica
+from llmgw_systemd.spec.model import Replica
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from llmgw_systemd.spec.replicas import GroupRestartPolicy
+from llmgw_systemd.spec.policies import GroupRestartPolicy
 
 __all__ = ["GIVE_UP", "NOW", "WAIT", "Action", "Decision", "GroupRestartPolicy", "decide"]
 

@@ -18,3 +18,16 @@ def is_node_name(text: str) -> bool:
     letter or digit, at most MAX_NODE_NAME characters."""
     return (0 < len(text) <= MAX_NODE_NAME and all(c in _NODE_CHARS for c in text)
             and text[0] not in "_.-" and text[-1] not in "_.-")
+
+_WORD_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
+MAX_REPLICA_NAME = 63  # a replica name is part of every unit name; a DNS label's length
+
+
+def is_word(text: str) -> bool:
+    """A name that becomes part of unit names (replicas, commands): lowercase letters,
+    digits and '-', not first; such names need no escaping in a unit name."""
+    return bool(text) and all(c in _WORD_CHARS for c in text) and text[0] != "-"
+
+
+def is_replica_name(text: str) -> bool:
+    return is_word(text) and len(text) <= MAX_REPLICA_NAME

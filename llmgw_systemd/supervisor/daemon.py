@@ -34,7 +34,8 @@ from llmgw_systemd.health.unit_state import UnitState
 from llmgw_systemd.helpers.sd_notify import notify, watchdog_interval
 from llmgw_systemd.spec.document import Document
 from llmgw_systemd.spec.files import read_each, spec_files
-from llmgw_systemd.spec.replicas import Spec, collect_spec, keep_last_good
+from llmgw_systemd.spec.model import Spec
+from llmgw_systemd.spec.replicas import collect_spec, keep_last_good
 from llmgw_systemd.supervisor.http import api
 from llmgw_systemd.supervisor.http.metrics import SupervisorMetrics
 from llmgw_systemd.supervisor.http.server import Changes, HttpServer, Request, Response

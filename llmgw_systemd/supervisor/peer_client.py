@@ -36,10 +36,10 @@ import h11
 
 from llmgw_systemd.errors import LlmgwError
 from llmgw_systemd.health.evidence import PeerShard
-from llmgw_systemd.health.rules import STATE_BY_NAME, STATES
-from llmgw_systemd.spec.names import MAX_NODE_NAME, is_node_name
-from llmgw_systemd.spec.reader import NAME_RE
-from llmgw_systemd.spec.replicas import MAX_REPLICA_NAME
+from llmgw_systemd.health.rules import STATES
+from llmgw_systemd.spec.document import KeyPath, format_path
+from llmgw_systemd.spec.names import is_node_name, is_replica_name
+from llmgw_systemd.spec.reader import Reader
 
 __all__ = ["PEER_ERROR_KINDS", "PeerAnswer", "PeerError", "ShardReport", "fetch_shards"]
 
@@ -329,73 +329,53 @@ class _Malformed(Exception):
         self.problem = problem
 
 
+# The wire format is read by the spec's own typed reader (spec/reader.py): a value is
+# checked the same way whoever wrote it; here an error names the JSON path.
+_WIRE = Reader(lambda path, message, _at_key: _Malformed(format_path(path) or "top level",
+                                                          message))
+_VERSION_MAX = 2**63 - 1
+_RANK_MAX = 2**31 - 1
+_ANSWER_KEYS = ("node", "version", "shards")
+_SHARD_KEYS = ("replica", "rank", "node", "state", "reason", "generation", "serving")
+
+
 def _parse_answer(document: Any) -> tuple[str, int, tuple[ShardReport, ...]]:
-    answer = _object(document, "top level")
-    node = _node_name(_key(answer, "node", ""), "node")
-    version = _integer(_key(answer, "version", ""), "version")
-    items = _key(answer, "shards", "")
-    if not isinstance(items, list):
-        raise _Malformed("shards", f"expected a list, got {_show(items)}")
-    if len(items) > MAX_SHARDS:
-        raise _Malformed("shards", f"expected at most {MAX_SHARDS} shards, got {len(items)}")
-    return node, version, tuple(_shard(item, f"shards[{i}]") for i, item in enumerate(items))
+    # others=True: a newer peer may send fields this one does not know
+    answer = _WIRE.mapping(document, (), _ANSWER_KEYS, _ANSWER_KEYS, others=True)
+    node = _node_name(answer["node"], ("node",))
+    version = _WIRE.integer(answer["version"], ("version",), 0, _VERSION_MAX,
+                            "a version number")
+    items = _WIRE.sequence(answer["shards"], ("shards",), "shards", max_len=MAX_SHARDS)
+    return node, version, tuple(_shard(item, ("shards", i)) for i, item in enumerate(items))
 
 
-def _shard(value: Any, path: str) -> ShardReport:
-    shard = _object(value, path)
-    replica = _key(shard, "replica", path)
-    if not (isinstance(replica, str) and len(replica) <= MAX_REPLICA_NAME
-            and NAME_RE.match(replica)):
-        raise _Malformed(f"{path}.replica", "expected a replica name (a-z, 0-9 and '-', "
-                         f"not first, at most {MAX_REPLICA_NAME}), got {_show(replica)}")
-    rank = _integer(_key(shard, "rank", path), f"{path}.rank")
-    node = _node_name(_key(shard, "node", path), f"{path}.node")
-    raw_state = _key(shard, "state", path)
-    state = STATE_BY_NAME.get(raw_state) if isinstance(raw_state, str) else None
-    if state is None:
-        raise _Malformed(f"{path}.state", f"expected one of {', '.join(STATES)}, "
-                         f"got {_show(raw_state)}")
-    reason = _key(shard, "reason", path)
-    if not isinstance(reason, str):
-        raise _Malformed(f"{path}.reason", f"expected a string, got {_show(reason)}")
-    if len(reason) > MAX_REASON:
-        raise _Malformed(f"{path}.reason", f"expected at most {MAX_REASON} characters, "
-                         f"got {len(reason)}")
-    generation = _key(shard, "generation", path)
-    if not (isinstance(generation, str) and len(generation) <= MAX_GENERATION
-            and GENERATION_RE.match(generation)):
-        raise _Malformed(f"{path}.generation", f"expected a lowercase hex string of at most "
-                         f"{MAX_GENERATION} characters, got {_show(generation)}")
-    serving = _key(shard, "serving", path)
-    if not isinstance(serving, bool):
-        raise _Malformed(f"{path}.serving", f"expected true or false, got {_show(serving)}")
-    return ShardReport(replica, rank, node, state, reason, generation, serving)
+def _shard(value: Any, path: KeyPath) -> ShardReport:
+    shard = _WIRE.mapping(value, path, _SHARD_KEYS, _SHARD_KEYS, others=True)
+
+    def at(key: str) -> KeyPath:
+        return (*path, key)
+
+    return ShardReport(
+        replica=_WIRE.matching(shard["replica"], at("replica"), is_replica_name,
+                               "a replica name"),
+        rank=_WIRE.integer(shard["rank"], at("rank"), 0, _RANK_MAX, "a rank"),
+        node=_node_name(shard["node"], at("node")),
+        state=_WIRE.choice(shard["state"], at("state"), STATES),
+        reason=_WIRE.string(shard["reason"], at("reason"), "a reason", empty=True,
+                            max_len=MAX_REASON),
+        generation=_WIRE.matching(shard["generation"], at("generation"), _is_generation,
+                                  "a shard generation (lowercase hex, at most "
+                                  f"{MAX_GENERATION} characters)", empty=True),
+        serving=_WIRE.boolean(shard["serving"], at("serving"), "whether it serves HTTP"),
+    )
 
 
-def _object(value: Any, path: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _Malformed(path, f"expected an object, got {_show(value)}")
-    return value
+def _is_generation(text: str) -> bool:
+    return len(text) <= MAX_GENERATION and bool(GENERATION_RE.match(text))
 
 
-def _key(obj: dict[str, Any], key: str, path: str) -> Any:
-    if key not in obj:
-        raise _Malformed(path or "top level", f"missing key {json.dumps(key)}")
-    return obj[key]
-
-
-def _integer(value: Any, path: str) -> int:
-    # bool is an int in Python, and true is not a version number
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _Malformed(path, f"expected an integer >= 0, got {_show(value)}")
-    return value
-
-
-def _node_name(value: Any, path: str) -> str:
-    if not (isinstance(value, str) and is_node_name(value)):
-        raise _Malformed(path, "expected a node name (letters, digits, '_', '.', '-', at "
-                         f"most {MAX_NODE_NAME}), got {_show(value)}")
-    return value
+def _node_name(value: Any, path: KeyPath) -> str:
+    return _WIRE.matching(value, path, is_node_name, "a node name")
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -454,16 +434,6 @@ def _describe(exc: BaseException | None) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return str(exc) or type(exc).__name__
-
-
-def _show(value: Any) -> str:
-    """A received value, short and one line, as JSON (what the peer sent)."""
-    if isinstance(value, dict):
-        return "an object"
-    if isinstance(value, list):
-        return "a list"
-    text = json.dumps(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _quote(text: str) -> str:

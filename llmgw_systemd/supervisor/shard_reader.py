@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from llmgw_systemd.health.rules import Health, Probe, shard_health
 from llmgw_systemd.health.unit_state import UnitState
-from llmgw_systemd.spec.replicas import Replica, Spec
+from llmgw_systemd.spec.model import Replica, Spec
 from llmgw_systemd.supervisor.probes import http_probe, probe_address
 from llmgw_systemd.supervisor.systemd_bus import SystemdBus
 from llmgw_systemd.units.plan import Manager, ShardPlan, plan_node

@@ -22,9 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmgw_systemd.errors import NoShard
+from llmgw_systemd.spec.common_keys import GPUS_VAR, IFNAME_VARS
 from llmgw_systemd.spec.endpoint import Endpoint
 from llmgw_systemd.spec.engines.base import KillMode, Step
-from llmgw_systemd.spec.replicas import GPUS_VAR, IFNAME_VARS, Replica, RestartPolicy, Spec
+from llmgw_systemd.spec.model import Replica, Spec
+from llmgw_systemd.spec.policies import RestartPolicy
 
 UNIT_PREFIX = "llmgw-"
 SLEEP = "/usr/bin/sleep"  # coreutils, at this path on Debian and RHEL alike

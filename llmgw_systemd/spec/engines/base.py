@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple
 
 from llmgw_systemd.spec.document import KeyPath
 from llmgw_systemd.spec.endpoint import Endpoint
-from llmgw_systemd.spec.reader import Checker
+from llmgw_systemd.spec.keys import Key, Parse
+from llmgw_systemd.spec.reader import Reader
 
 if TYPE_CHECKING:  # types only: a Protocol costs import time on the render path
     from typing import Protocol
 
-    from llmgw_systemd.spec.replicas import Node
+    from llmgw_systemd.spec.model import Node
 
     class EngineSettings(Protocol):
         """One replica's engine keys, validated, and what follows from them. mypy checks
@@ -61,7 +62,8 @@ if TYPE_CHECKING:  # types only: a Protocol costs import time on the render path
 
     # Reads an engine's keys from a replica's mapping (already checked for unknown keys),
     # given its nodes (read first: they are common to every engine).
-    Reader = Callable[[Checker, Mapping[str, Any], KeyPath, tuple[Node, ...]], EngineSettings]
+    ReadSettings = Callable[[Reader, Mapping[str, Any], KeyPath, tuple[Node, ...]],
+                            EngineSettings]
 
 
 # How systemd stops a member: every process at once, or the main process first.
@@ -73,14 +75,6 @@ PortUse = Literal["HTTP", "rendezvous", "command"]
 # The small records of this module are NamedTuples, not frozen dataclasses: immutable and
 # typed all the same, and about 0.1 ms to create against 1 ms, on the render path that a
 # generator runs (docs/generator.md, bench/generator.py, bench/render.py).
-class SpecKey(NamedTuple):
-    """One spec key, as the reader allows it and the docs describe it."""
-
-    name: str
-    default: str  # as the docs show it
-    meaning: str
-
-
 @dataclass(frozen=True)
 class Step:
     """One command of a shard's sequence, with what must hold before it starts. Every
@@ -127,8 +121,8 @@ class EngineEntry(NamedTuple):
 
     name: str  # the spec's `engine:` value
     summary: str  # one line for the docs
-    keys: tuple[SpecKey, ...]
-    read: Reader  # (checker, replica mapping, its key path, nodes) -> EngineSettings
+    keys: tuple[Key[Any], ...]  # every key of this engine's own, one row each
+    read: ReadSettings  # (reader, replica mapping, its key path, nodes) -> EngineSettings
 
     @property
     def key_names(self) -> tuple[str, ...]:
@@ -139,13 +133,22 @@ class EngineEntry(NamedTuple):
 SECRET_FLAGS = ("--api-key", "--hf-token", "--token")
 
 
-def refuse_secret_flags(check: Checker, key: str, args: Sequence[str], path: KeyPath) -> None:
+def refuse_secret_flags(reader: Reader, key: str, args: Sequence[str], path: KeyPath) -> None:
     for i, arg in enumerate(args):
         flag = arg.split("=", 1)[0]
         if flag in SECRET_FLAGS:
-            raise check.fail((*path, key, i), f"'{flag}' would put a secret into a "
+            raise reader.fail((*path, key, i), f"'{flag}' would put a secret into a "
                              "world-readable unit file; set it through environment_file "
                              "(e.g. VLLM_API_KEY, HF_TOKEN) instead")
+
+
+def arguments(what: str) -> Parse[tuple[str, ...]]:
+    """A parser of arguments for a command line: strings, no flag whose value is a secret."""
+    def parse(reader: Reader, value: Any, path: KeyPath) -> tuple[str, ...]:
+        args = reader.str_list(value, path, what)
+        refuse_secret_flags(reader, path[-1], args, path[:-1])  # type: ignore[arg-type]
+        return args
+    return parse
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:

@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from llmgw_systemd.spec.document import KeyPath
 from llmgw_systemd.spec.endpoint import Endpoint
-from llmgw_systemd.spec.engines.base import EngineEntry, Http, PortClaim, SpecKey, Step, wildcard
-from llmgw_systemd.spec.reader import NAME_RE, Checker
+from llmgw_systemd.spec.engines.base import EngineEntry, Http, PortClaim, Step, wildcard
+from llmgw_systemd.spec.keys import REQUIRED, Key, integer, matching, tcp_port
+from llmgw_systemd.spec.names import is_word
+from llmgw_systemd.spec.reader import Reader
 
 if TYPE_CHECKING:
-    from llmgw_systemd.spec.replicas import Node
+    from llmgw_systemd.spec.model import Node
 
 # Where the supervisor probes a command's HTTP port: the spec does not say which address
 # it binds, so the wildcard (probed on loopback).
@@ -70,36 +72,102 @@ class Commands:
         return None
 
 
-KEYS = (
-    SpecKey("ranks", "required", "one entry per node: `{commands: [...]}`; each command "
-            "`{name, argv, wait_for, binds}`: `argv` starts with an absolute executable; "
-            "`wait_for` lists `HOST:PORT` (IPv6 `[ADDR]:PORT`) to wait for; `binds` lists "
-            "ports that must be free first. The last command is the engine."),
-    SpecKey("serving_rank", "0", "which rank serves HTTP (`null`: none)"),
-    SpecKey("port", "required with a serving rank", "HTTP port of the serving rank"),
+def read_argv(reader: Reader, value: Any, path: KeyPath) -> tuple[str, ...]:
+    argv = reader.str_list(reader.sequence(value, path, "arguments", min_len=1), path,
+                           "arguments")
+    reader.abs_path(argv[0], (*path, 0), "the executable")
+    return argv
+
+
+def read_endpoints(reader: Reader, value: Any, path: KeyPath) -> tuple[Endpoint, ...]:
+    return tuple(reader.endpoint(item, (*path, i))
+                 for i, item in enumerate(reader.sequence(value, path, "addresses HOST:PORT")))
+
+
+def read_ports(reader: Reader, value: Any, path: KeyPath) -> tuple[int, ...]:
+    return tuple(reader.port(item, (*path, i))
+                 for i, item in enumerate(reader.sequence(value, path, "ports")))
+
+
+NO_ENDPOINTS: tuple[Endpoint, ...] = ()
+NO_PORTS: tuple[int, ...] = ()
+# One command of a rank; its name defaults to its place (engine, sidecar0, ...).
+COMMAND_KEYS = (
+    Key("name", matching(is_word, "a command name of lowercase letters, digits and '-' (it "
+                         "becomes part of a unit name)"), None, "the unit name's suffix"),
+    Key("argv", read_argv, REQUIRED, "the command, its executable an absolute path"),
+    Key("wait_for", read_endpoints, NO_ENDPOINTS, "addresses that must accept connections "
+        "first"),
+    Key("binds", read_ports, NO_PORTS, "ports that must be free first"),
 )
+_NAME, _ARGV, _WAIT_FOR, _BINDS = COMMAND_KEYS
 
 
-def read(check: Checker, data: Mapping[str, Any], path: KeyPath, nodes: tuple[Node, ...]
+def read_ranks(reader: Reader, value: Any, path: KeyPath) -> tuple[tuple[Command, ...], ...]:
+    items = reader.sequence(value, path, "ranks (one per node)")
+    ranks = []
+    for rank, item in enumerate(items):
+        rpath = (*path, rank)
+        data = reader.mapping(item, rpath, ("commands",), ("commands",))
+        cmds_raw = reader.sequence(data["commands"], (*rpath, "commands"), "commands",
+                                   min_len=1)
+        commands: list[Command] = []
+        names: dict[str, int] = {}
+        for i, cmd_raw in enumerate(cmds_raw):
+            cpath = (*rpath, "commands", i)
+            cmd = _command(reader, cmd_raw, cpath, i, i == len(cmds_raw) - 1)
+            if cmd.name in names:
+                raise reader.fail((*cpath, "name"), f"duplicate command name '{cmd.name}' "
+                                  f"(already commands[{names[cmd.name]}])")
+            names[cmd.name] = i
+            commands.append(cmd)
+        ranks.append(tuple(commands))
+    return tuple(ranks)
+
+
+def _command(reader: Reader, raw: Any, path: KeyPath, index: int, is_engine: bool) -> Command:
+    data = reader.mapping(raw, path, tuple(k.name for k in COMMAND_KEYS),
+                          tuple(k.name for k in COMMAND_KEYS if k.required))
+    name = _NAME.read(reader, data, path) or ("engine" if is_engine else f"sidecar{index}")
+    if name == "engine" and not is_engine:
+        raise reader.fail((*path, "name"), "the name 'engine' is reserved for the last command")
+    return Command(name, _ARGV.read(reader, data, path), _WAIT_FOR.read(reader, data, path),
+                   _BINDS.read(reader, data, path))
+
+
+RANKS = Key("ranks", read_ranks, REQUIRED,
+            "one entry per node: `{commands: [...]}`; each command `{name, argv, wait_for, "
+            "binds}`: `argv` starts with an absolute executable; `wait_for` lists "
+            "`HOST:PORT` (IPv6 `[ADDR]:PORT`) to wait for; `binds` lists ports that must be "
+            "free first. The last command is the engine.",
+            missing="engine 'command' takes one entry of commands per node")
+SERVING_RANK: Key[int | None] = Key(
+    "serving_rank", integer(0, 4095, "the rank that serves HTTP"), 0,
+    "which rank serves HTTP (`null`: none)", null=None)
+PORT: Key[int | None] = Key("port", tcp_port, None, "HTTP port of the serving rank",
+                            shown="required with a serving rank")
+KEYS = (RANKS, SERVING_RANK, PORT)
+
+
+def read(reader: Reader, data: Mapping[str, Any], path: KeyPath, nodes: tuple[Node, ...]
          ) -> Commands:
-    if "ranks" not in data:
-        raise check.fail(path, "missing required key 'ranks' (engine 'command' takes one "
-                         "entry of commands per node)")
-    ranks = _ranks(check, data["ranks"], (*path, "ranks"), len(nodes))
-    serving_rank: int | None = 0
-    if "serving_rank" in data:
-        serving_rank = None if data["serving_rank"] is None else check.integer(
-            data["serving_rank"], (*path, "serving_rank"), 0, len(nodes) - 1,
-            "the rank that serves HTTP")
-    port = check.optional(data, "port", path, check.port, None)
-    if serving_rank is not None and port is None:
-        raise check.fail(path, "missing required key 'port' (the HTTP port of serving rank "
-                         f"{serving_rank}; set serving_rank: null if no rank serves HTTP)")
-    if serving_rank is None and port is not None:
-        raise check.fail((*path, "port"), "a port is set but serving_rank is null; "
-                         "say which rank serves HTTP")
-    serving = None if serving_rank is None or port is None else Http(
-        serving_rank, HOST, port, None)
+    ranks = RANKS.read(reader, data, path)
+    if len(ranks) != len(nodes):
+        raise reader.fail((*path, "ranks"), f"expected one entry per node ({len(nodes)}); "
+                          f"got {len(ranks)}")
+    serving_rank = SERVING_RANK.read(reader, data, path)
+    if serving_rank is not None and serving_rank >= len(nodes):
+        raise reader.fail((*path, "serving_rank"), f"expected the rank that serves HTTP from "
+                          f"0 to {len(nodes) - 1}; got {serving_rank}")
+    http_port = PORT.read(reader, data, path)
+    if serving_rank is not None and http_port is None:
+        raise reader.fail(path, "missing required key 'port' (the HTTP port of serving rank "
+                          f"{serving_rank}; set serving_rank: null if no rank serves HTTP)")
+    if serving_rank is None and http_port is not None:
+        raise reader.fail((*path, "port"), "a port is set but serving_rank is null; "
+                          "say which rank serves HTTP")
+    serving = None if serving_rank is None or http_port is None else Http(
+        serving_rank, HOST, http_port, None)
     return Commands(ranks, serving)
 
 
@@ -109,47 +177,3 @@ ENTRY = EngineEntry(
     keys=KEYS,
     read=read,
 )
-
-
-def _ranks(check: Checker, raw: Any, path: KeyPath, n_nodes: int
-           ) -> tuple[tuple[Command, ...], ...]:
-    items = check.sequence(raw, path, "ranks (one per node)")
-    if len(items) != n_nodes:
-        raise check.fail(path, f"expected one entry per node ({n_nodes}); got {len(items)}")
-    ranks = []
-    for rank, item in enumerate(items):
-        rpath = (*path, rank)
-        data = check.mapping(item, rpath, ("commands",), ("commands",))
-        cmds_raw = check.sequence(data["commands"], (*rpath, "commands"), "commands",
-                                  min_len=1)
-        commands: list[Command] = []
-        names: dict[str, int] = {}
-        for i, cmd_raw in enumerate(cmds_raw):
-            cpath = (*rpath, "commands", i)
-            cmd = _command(check, cmd_raw, cpath, i, i == len(cmds_raw) - 1)
-            if cmd.name in names:
-                raise check.fail((*cpath, "name"), f"duplicate command name '{cmd.name}' "
-                                 f"(already commands[{names[cmd.name]}])")
-            names[cmd.name] = i
-            commands.append(cmd)
-        ranks.append(tuple(commands))
-    return tuple(ranks)
-
-
-def _command(check: Checker, raw: Any, path: KeyPath, index: int, is_engine: bool) -> Command:
-    data = check.mapping(raw, path, ("name", "argv", "wait_for", "binds"), ("argv",))
-    default = "engine" if is_engine else f"sidecar{index}"
-    name = check.optional(data, "name", path, lambda v, p: check.matching(
-        v, p, NAME_RE, "a command name of lowercase letters, digits and '-' (it becomes part "
-        "of a unit name)"), default)
-    if name == "engine" and not is_engine:
-        raise check.fail((*path, "name"), "the name 'engine' is reserved for the last command")
-    argv = check.str_list(check.sequence(data["argv"], (*path, "argv"), "arguments", min_len=1),
-                          (*path, "argv"), "arguments")
-    check.abs_path(argv[0], (*path, "argv", 0), "the executable")
-    wait_for: tuple[Endpoint, ...] = check.optional(data, "wait_for", path, lambda v, p: tuple(
-        check.endpoint(item, (*p, i))
-        for i, item in enumerate(check.sequence(v, p, "addresses HOST:PORT"))), ())
-    binds: tuple[int, ...] = check.optional(data, "binds", path, lambda v, p: tuple(
-        check.port(item, (*p, i)) for i, item in enumerate(check.sequence(v, p, "ports"))), ())
-    return Command(name, argv, wait_for, binds)

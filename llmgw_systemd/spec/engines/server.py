@@ -5,19 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from llmgw_systemd.spec.document import KeyPath
-from llmgw_systemd.spec.engines.base import (
-    Http,
-    PortClaim,
-    SpecKey,
-    flag_value,
-    refuse_secret_flags,
-)
-from llmgw_systemd.spec.reader import Checker, ip_address
+from llmgw_systemd.spec.engines.base import Http, PortClaim, arguments, flag_value
+from llmgw_systemd.spec.keys import REQUIRED, Key, absolute_path, integer, ip_address, tcp_port
+from llmgw_systemd.spec.reader import Reader
 
 DEFAULT_VIRTUALENV = "/usr/local"
+NO_ARGS: tuple[str, ...] = ()
 DEFAULT_HOST = "0.0.0.0"  # noqa: S104 - the gateway must reach the serving rank
 
 
@@ -54,48 +50,64 @@ class Server:
         return (http, PortClaim(0, self.rendezvous_port, ("rendezvous_port",), "rendezvous"))
 
 
-def server_keys(*, http_port: int, rendezvous_default: str, tp_flag: str, pp_flag: str,
-                commands: str) -> tuple[SpecKey, ...]:
-    """The shared keys, with this engine's defaults, for the engine's key table."""
-    return (
-        SpecKey("model", "required", "model path or name"),
-        SpecKey("port", str(http_port), "HTTP port of rank 0, which serves the API"),
-        SpecKey("host", f"`{DEFAULT_HOST}`", "address the server binds"),
-        SpecKey("tensor_parallel_size", "1", f"tensor parallel size: {tp_flag}"),
-        SpecKey("pipeline_parallel_size", "1", f"pipeline parallel size: {pp_flag}"),
-        SpecKey("rendezvous_port", rendezvous_default,
-                "the port on rank 0 the other ranks meet at"),
-        SpecKey("args", "none", "appended to the engine command (`--api-key` and other "
-                "secret flags are refused)"),
-        SpecKey("virtualenv", f"`{DEFAULT_VIRTUALENV}`", "installation prefix whose `bin/` "
-                f"holds {commands}"),
-    )
-
-
-def read_server(check: Checker, data: Mapping[str, Any], path: KeyPath, engine: str, *,
-                http_port: int, rendezvous_port: int) -> Server:
-    if "model" not in data:
-        raise check.fail(path, f"missing required key 'model' (engine '{engine}' needs a "
-                         "model path or name)")
-    model = check.string(data["model"], (*path, "model"), "a model path or name")
+def read_model(reader: Reader, value: Any, path: KeyPath) -> str:
+    model = reader.string(value, path, "a model path or name")
     if model.startswith("-"):
-        raise check.fail((*path, "model"), f"expected a model path or name; got '{model}', "
-                         "which would be read as an option")
-    server = Server(
-        model=model,
-        port=check.optional(data, "port", path, check.port, http_port),
-        rendezvous_port=check.optional(data, "rendezvous_port", path, check.port,
-                                       rendezvous_port),
-        tensor_parallel_size=check.optional_int(data, "tensor_parallel_size", path, 1, 4096,
-                                                "a tensor parallel size", 1),
-        pipeline_parallel_size=check.optional_int(data, "pipeline_parallel_size", path, 1,
-                                                  4096, "a pipeline parallel size", 1),
-        host=check.optional(data, "host", path, lambda v, p: ip_address(
-            check, v, p, "an IP address to bind HTTP to"), DEFAULT_HOST),
-        args=check.optional(data, "args", path,
-                            lambda v, p: check.str_list(v, p, "engine arguments"), ()),
-        virtualenv=check.optional(data, "virtualenv", path, lambda v, p: check.abs_path(
-            v, p, "the engine's installation (a virtualenv or prefix)"), DEFAULT_VIRTUALENV),
+        raise reader.fail(path, f"expected a model path or name; got '{model}', which "
+                          "would be read as an option")
+    return model
+
+
+class ServerKeys(NamedTuple):
+    """The shared keys' rows, with one engine's defaults."""
+
+    model: Key[str]
+    port: Key[int]
+    host: Key[str]
+    tensor_parallel_size: Key[int]
+    pipeline_parallel_size: Key[int]
+    rendezvous_port: Key[int | None]
+    args: Key[tuple[str, ...]]
+    virtualenv: Key[str]
+
+
+def server_keys(engine: str, *, http_port: int, rendezvous_port: int | None,
+                rendezvous_shown: str | None = None, tp_flag: str, pp_flag: str,
+                commands: str) -> ServerKeys:
+    """The shared keys, with this engine's defaults, for the engine's key table.
+    rendezvous_port None: the engine's default depends on more than the engine (vLLM's
+    launch mode), and rendezvous_shown says how."""
+    return ServerKeys(
+        Key("model", read_model, REQUIRED, "model path or name",
+            missing=f"engine '{engine}' needs a model path or name"),
+        Key("port", tcp_port, http_port, "HTTP port of rank 0, which serves the API"),
+        Key("host", ip_address("an IP address to bind HTTP to"), DEFAULT_HOST,
+            "address the server binds"),
+        Key("tensor_parallel_size", integer(1, 4096, "a tensor parallel size"), 1,
+            f"tensor parallel size: {tp_flag}"),
+        Key("pipeline_parallel_size", integer(1, 4096, "a pipeline parallel size"), 1,
+            f"pipeline parallel size: {pp_flag}"),
+        Key("rendezvous_port", tcp_port, rendezvous_port,
+            "the port on rank 0 the other ranks meet at", shown=rendezvous_shown),
+        Key("args", arguments("engine arguments"), NO_ARGS, "appended to the engine command "
+            "(`--api-key` and other secret flags are refused)"),
+        Key("virtualenv", absolute_path("the engine's installation (a virtualenv or prefix)"),
+            DEFAULT_VIRTUALENV, f"installation prefix whose `bin/` holds {commands}"),
     )
-    refuse_secret_flags(check, "args", server.args, path)
-    return server
+
+
+def read_server(reader: Reader, data: Mapping[str, Any], path: KeyPath, keys: ServerKeys, *,
+                rendezvous_port: int) -> Server:
+    """The shared keys, each through its row; rendezvous_port is the engine's default
+    when the row has none."""
+    chosen = keys.rendezvous_port.read(reader, data, path)
+    return Server(
+        model=keys.model.read(reader, data, path),
+        port=keys.port.read(reader, data, path),
+        rendezvous_port=rendezvous_port if chosen is None else chosen,
+        tensor_parallel_size=keys.tensor_parallel_size.read(reader, data, path),
+        pipeline_parallel_size=keys.pipeline_parallel_size.read(reader, data, path),
+        host=keys.host.read(reader, data, path),
+        args=keys.args.read(reader, data, path),
+        virtualenv=keys.virtualenv.read(reader, data, path),
+    )

@@ -23,10 +23,10 @@ from llmgw_systemd.spec.engines.base import (
     wildcard,
 )
 from llmgw_systemd.spec.engines.server import Server, read_server, server_keys
-from llmgw_systemd.spec.reader import Checker
+from llmgw_systemd.spec.reader import Reader
 
 if TYPE_CHECKING:
-    from llmgw_systemd.spec.replicas import Node
+    from llmgw_systemd.spec.model import Node
 
 HTTP_PORT = 30000
 RENDEZVOUS_PORT = 20000
@@ -80,17 +80,19 @@ class Sglang:
         return None
 
 
-def read(check: Checker, data: Mapping[str, Any], path: KeyPath, nodes: tuple[Node, ...]
+KEYS = server_keys("sglang", http_port=HTTP_PORT, rendezvous_port=RENDEZVOUS_PORT,
+                   tp_flag="`--tp-size`, which spans all nodes",
+                   pp_flag="`--pp-size`, given when above 1", commands="`python`")
+
+
+def read(reader: Reader, data: Mapping[str, Any], path: KeyPath, nodes: tuple[Node, ...]
          ) -> Sglang:
-    return Sglang(read_server(check, data, path, "sglang", http_port=HTTP_PORT,
-                              rendezvous_port=RENDEZVOUS_PORT))
+    return Sglang(read_server(reader, data, path, KEYS, rendezvous_port=RENDEZVOUS_PORT))
 
 
 ENTRY = EngineEntry(
     name="sglang",
     summary="SGLang (`python -m sglang.launch_server`), one server across the nodes",
-    keys=server_keys(http_port=HTTP_PORT, rendezvous_default=str(RENDEZVOUS_PORT),
-                     tp_flag="`--tp-size`, which spans all nodes",
-                     pp_flag="`--pp-size`, given when above 1", commands="`python`"),
+    keys=tuple(KEYS),
     read=read,
 )

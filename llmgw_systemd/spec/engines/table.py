@@ -8,15 +8,8 @@ these entries) take everything else from it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from llmgw_systemd.spec.engines import command, sglang, vllm
-from llmgw_systemd.spec.engines.base import EngineEntry, Http, PortClaim, SpecKey, Step
-
-if TYPE_CHECKING:
-    from llmgw_systemd.spec.engines.base import EngineSettings
+from llmgw_systemd.spec.engines.base import EngineEntry
 
 ENGINES: dict[str, EngineEntry] = {e.name: e for e in (vllm.ENTRY, sglang.ENTRY,
                                                        command.ENTRY)}
-
-__all__ = ["ENGINES", "EngineEntry", "EngineSettings", "Http", "PortClaim", "SpecKey", "Step"]

@@ -22,20 +22,20 @@ from llmgw_systemd.spec.engines.base import (
     Http,
     KillMode,
     PortClaim,
-    SpecKey,
     Step,
+    arguments,
     flag_value,
-    refuse_secret_flags,
     uses_rendezvous,
     wildcard,
 )
 from llmgw_systemd.spec.engines.server import Server, read_server, server_keys
-from llmgw_systemd.spec.reader import Checker
+from llmgw_systemd.spec.keys import Key, absolute_path, choice, integer, seconds
+from llmgw_systemd.spec.reader import Reader
 
 if TYPE_CHECKING:  # types only: a Protocol costs import time on the render path
     from typing import Protocol
 
-    from llmgw_systemd.spec.replicas import Node
+    from llmgw_systemd.spec.model import Node
 
     class Launch(Protocol):
         """What a launch mode decides: the steps of each rank, the variables its units set,
@@ -55,7 +55,6 @@ if TYPE_CHECKING:  # types only: a Protocol costs import time on the render path
 
 LaunchMode = Literal["ray", "mp"]
 LAUNCH_MODES: tuple[LaunchMode, ...] = ("ray", "mp")
-_LAUNCH_MODE_BY_NAME: dict[str, LaunchMode] = {m: m for m in LAUNCH_MODES}
 HTTP_PORT = 8000
 RENDEZVOUS_PORT: dict[LaunchMode, int] = {"ray": 6379, "mp": 29500}
 RayAuth = Literal["disabled", "token"]
@@ -187,85 +186,85 @@ class Vllm:
                 f"{SHUTDOWN_MARGIN} s, or systemd kills the engine while it drains")
 
 
-KEYS = (
-    SpecKey("launch_mode", "`ray`", "`ray`: rank 0 runs a Ray head sidecar and `vllm serve "
-            "--distributed-executor-backend ray` (with `RAY_ADDRESS`, `VLLM_HOST_IP`); the "
-            "other ranks run only `ray start --address=LEADER:PORT --block`. `mp`: every "
-            "rank runs `vllm serve --nnodes N --node-rank K --master-addr LEADER "
-            "--master-port P`, `--headless` on ranks >= 1."),
-    *server_keys(http_port=HTTP_PORT, rendezvous_default="ray 6379, mp 29500",
-                 tp_flag="`--tensor-parallel-size`", pp_flag="`--pipeline-parallel-size`",
-                 commands="`vllm` and `ray`"),
-    SpecKey("distributed_timeout", "vLLM's own", "`--distributed-timeout-seconds`: how long "
-            "ranks wait for each other in torch.distributed; with mp a lone rank 1 exits "
-            "after about twice this"),
-    SpecKey("ray_args", "none", "(ray) appended to every `ray start` (e.g. `--num-cpus=16`, "
-            "distinct ports when two Ray replicas share a node)"),
-    SpecKey("ray_head_args", "none", "(ray) appended to the head's `ray start --head` only "
-            "(e.g. `--include-dashboard=false`, `--dashboard-port=8300`, which Ray refuses "
-            "on workers)"),
-    SpecKey("ray_num_gpus", "Ray's own detection", "(ray) `--num-gpus=N` on every `ray "
-            "start`: vLLM places one tensor-parallel worker per Ray GPU"),
-    SpecKey("ray_auth", "`disabled`", "(ray) stated on every Ray process (`RAY_AUTH_MODE`), "
-            "because left unset a Ray head turns token auth on by itself once "
-            "`~/.ray/auth_token` exists and then workers without it fail to join after "
-            "~20 s. `token`: every node reads the same token from `ray_token_file` (the "
-            "system unit loads it with `LoadCredential=`, so it can stay root-only and never "
-            "appears in a unit; `RAY_AUTH_TOKEN_PATH` names it). Use `token` wherever the "
-            "Ray port is reachable from more than the replica's own nodes: Ray without auth "
-            "runs whatever anyone who reaches it submits."),
-    SpecKey("ray_token_file", f"`{DEFAULT_RAY_TOKEN_FILE}` with `ray_auth: token`",
-            "(ray) the token file, the same bytes on every node (e.g. `openssl rand -hex 32 "
-            "> /etc/llmgw/ray-token; chmod 600`); a missing file fails the units at start "
-            "with status 243/CREDENTIALS, naming it in the journal"),
-)
+SERVER_KEYS = server_keys(
+    "vllm", http_port=HTTP_PORT, rendezvous_port=None,
+    rendezvous_shown=", ".join(f"{mode} {port}" for mode, port in RENDEZVOUS_PORT.items()),
+    tp_flag="`--tensor-parallel-size`", pp_flag="`--pipeline-parallel-size`",
+    commands="`vllm` and `ray`")
+LAUNCH_MODE = Key("launch_mode", choice(LAUNCH_MODES), LAUNCH_MODES[0],
+                  "`ray`: rank 0 runs a Ray head sidecar and `vllm serve "
+                  "--distributed-executor-backend ray` (with `RAY_ADDRESS`, `VLLM_HOST_IP`); "
+                  "the other ranks run only `ray start --address=LEADER:PORT --block`. `mp`: "
+                  "every rank runs `vllm serve --nnodes N --node-rank K --master-addr LEADER "
+                  "--master-port P`, `--headless` on ranks >= 1.")
+DISTRIBUTED_TIMEOUT: Key[int | None] = Key(
+    "distributed_timeout", seconds(1, 86400), None, "`--distributed-timeout-seconds`: how "
+    "long ranks wait for each other in torch.distributed; with mp a lone rank 1 exits after "
+    "about twice this", shown="vLLM's own")
+RAY_ARGS: Key[tuple[str, ...]] = Key(
+    "ray_args", arguments("'ray start' arguments"), (), "(ray) appended to every `ray start` "
+    "(e.g. `--num-cpus=16`, distinct ports when two Ray replicas share a node)")
+RAY_HEAD_ARGS: Key[tuple[str, ...]] = Key(
+    "ray_head_args", arguments("'ray start --head' arguments"), (), "(ray) appended to the "
+    "head's `ray start --head` only (e.g. `--include-dashboard=false`, "
+    "`--dashboard-port=8300`, which Ray refuses on workers)")
+RAY_NUM_GPUS: Key[int | None] = Key(
+    "ray_num_gpus", integer(0, 4096, "the GPUs each Ray node offers"), None,
+    "(ray) `--num-gpus=N` on every `ray start`: vLLM places one tensor-parallel worker per "
+    "Ray GPU", shown="Ray's own detection")
+RAY_AUTH = Key("ray_auth", choice(RAY_AUTH_MODES), RAY_AUTH_MODES[0],
+               "(ray) stated on every Ray process (`RAY_AUTH_MODE`), because left unset a Ray "
+               "head turns token auth on by itself once `~/.ray/auth_token` exists and then "
+               "workers without it fail to join after ~20 s. `token`: every node reads the "
+               "same token from `ray_token_file` (the system unit loads it with "
+               "`LoadCredential=`, so it can stay root-only and never appears in a unit; "
+               "`RAY_AUTH_TOKEN_PATH` names it). Use `token` wherever the Ray port is "
+               "reachable from more than the replica's own nodes: Ray without auth runs "
+               "whatever anyone who reaches it submits.")
+RAY_TOKEN_FILE: Key[str | None] = Key(
+    "ray_token_file", absolute_path("the Ray token file"), None,
+    "(ray) the token file, the same bytes on every node (e.g. `openssl rand -hex 32 > "
+    "/etc/llmgw/ray-token; chmod 600`); a missing file fails the units at start with status "
+    "243/CREDENTIALS, naming it in the journal",
+    shown=f"`{DEFAULT_RAY_TOKEN_FILE}` with `ray_auth: token`")
+KEYS = (LAUNCH_MODE, *SERVER_KEYS, DISTRIBUTED_TIMEOUT, RAY_ARGS, RAY_HEAD_ARGS,
+        RAY_NUM_GPUS, RAY_AUTH, RAY_TOKEN_FILE)
 # launch_mode ray's own keys: the table's, by their prefix
 RAY_KEYS = tuple(k.name for k in KEYS if k.name.startswith("ray_"))
 
 
-def read(check: Checker, data: Mapping[str, Any], path: KeyPath, nodes: tuple[Node, ...]
+def read(reader: Reader, data: Mapping[str, Any], path: KeyPath, nodes: tuple[Node, ...]
          ) -> Vllm:
-    mode = _LAUNCH_MODE_BY_NAME[check.optional(
-        data, "launch_mode", path, lambda v, p: check.choice(v, p, LAUNCH_MODES), "ray")]
-    server = read_server(check, data, path, "vllm", http_port=HTTP_PORT,
+    mode = LAUNCH_MODE.read(reader, data, path)
+    server = read_server(reader, data, path, SERVER_KEYS,
                          rendezvous_port=RENDEZVOUS_PORT[mode])
     for rank, node in enumerate(nodes):
         if not is_ip(node.address):
-            raise check.fail((*path, "nodes", rank, "address"), "expected an IP address "
-                             f"(vLLM needs VLLM_HOST_IP per node); got '{node.address}'")
+            raise reader.fail((*path, "nodes", rank, "address"), "expected an IP address "
+                              f"(vLLM needs VLLM_HOST_IP per node); got '{node.address}'")
     launch: Launch
     if mode == "ray":
-        launch = _read_ray(check, data, path)
+        launch = _read_ray(reader, data, path)
     elif mode == "mp":
         for key in RAY_KEYS:
             if key in data:
-                raise check.fail((*path, key), f"'{key}' applies only to launch_mode 'ray'",
-                                 at_key=True)
+                raise reader.fail((*path, key), f"'{key}' applies only to launch_mode 'ray'",
+                                  at_key=True)
         launch = MpLaunch()
     else:
         unreachable(mode)
-    return Vllm(server, launch, check.optional(
-        data, "distributed_timeout", path,
-        lambda v, p: check.integer(v, p, 1, 86400, "a timeout in seconds"), None))
+    return Vllm(server, launch, DISTRIBUTED_TIMEOUT.read(reader, data, path))
 
 
-def _read_ray(check: Checker, data: Mapping[str, Any], path: KeyPath) -> RayLaunch:
-    args: tuple[str, ...] = check.optional(
-        data, "ray_args", path, lambda v, p: check.str_list(v, p, "'ray start' arguments"), ())
-    head_args: tuple[str, ...] = check.optional(
-        data, "ray_head_args", path,
-        lambda v, p: check.str_list(v, p, "'ray start --head' arguments"), ())
-    refuse_secret_flags(check, "ray_args", args, path)
-    refuse_secret_flags(check, "ray_head_args", head_args, path)
-    num_gpus = check.optional(data, "ray_num_gpus", path, lambda v, p: check.integer(
-        v, p, 0, 4096, "the GPUs each Ray node offers"), None)
-    auth = check.optional(data, "ray_auth", path,
-                          lambda v, p: check.choice(v, p, RAY_AUTH_MODES), "disabled")
-    token_file = check.optional(data, "ray_token_file", path,
-                                lambda v, p: check.abs_path(v, p, "the Ray token file"), None)
+def _read_ray(reader: Reader, data: Mapping[str, Any], path: KeyPath) -> RayLaunch:
+    args = RAY_ARGS.read(reader, data, path)
+    head_args = RAY_HEAD_ARGS.read(reader, data, path)
+    num_gpus = RAY_NUM_GPUS.read(reader, data, path)
+    auth = RAY_AUTH.read(reader, data, path)
+    token_file = RAY_TOKEN_FILE.read(reader, data, path)
     if token_file is not None and auth != "token":
-        raise check.fail((*path, "ray_token_file"), "a token file needs ray_auth: token",
-                         at_key=True)
+        raise reader.fail((*path, "ray_token_file"), "a token file needs ray_auth: token",
+                          at_key=True)
     if auth == "token" and token_file is None:
         token_file = DEFAULT_RAY_TOKEN_FILE
     return RayLaunch(args, head_args, num_gpus, token_file)

@@ -9,15 +9,14 @@ shard reports differ from version V, or after `wait` seconds (docs/supervisor.md
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmgw_systemd.spec.names import is_replica_name
 from llmgw_systemd.supervisor.http.server import Changes, Request, Response
 
 API_VERSION = "v1"
-REPLICA_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}\Z")
 DEFAULT_WAIT = 0.0
 MAX_WAIT = 30.0
 ALLOW = (("Allow", "GET, HEAD"),)
@@ -91,7 +90,7 @@ async def handle(request: Request, current: Callable[[], Published], changes: Ch
     prefix = f"/{API_VERSION}/replicas/"
     if path.startswith(prefix):
         name = path[len(prefix):]
-        if not REPLICA_NAME.match(name):
+        if not is_replica_name(name):
             return _error(404, "not a replica name")
         found = current().replica.get(name)
         if found is None:

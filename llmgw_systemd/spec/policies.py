@@ -1,0 +1,140 @@
+"""The spec's nested policies (pure): restart, group_restart and health, each a frozen
+record beside the rows of its keys. A field's default is its row's default, so each
+number is written once; the README shows them from the same rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmgw_systemd.spec.document import KeyPath
+from llmgw_systemd.spec.keys import Key, integer, read_all, seconds
+from llmgw_systemd.spec.reader import Reader
+
+# -- restart: systemd's own restarts of a shard's members -------------------------------
+
+RESTART_KEYS = (
+    Key("delay", seconds(1, 86400, "seconds between a failure and the restart"), 10,
+        "RestartSec= of every member"),
+    Key("burst", integer(1, 1000, "starts allowed within the interval"), 5,
+        "StartLimitBurst="),
+    Key("interval", seconds(1, 604800, "an interval in seconds"), 1200,
+        "StartLimitIntervalSec="),
+)
+_DELAY, _BURST, _INTERVAL = RESTART_KEYS
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Restart=always after delay seconds; at most burst starts per interval."""
+
+    delay: int = _DELAY.default
+    burst: int = _BURST.default
+    interval: int = _INTERVAL.default
+
+
+def read_restart(reader: Reader, value: Any, path: KeyPath) -> RestartPolicy:
+    policy = RestartPolicy(**read_all(reader, RESTART_KEYS, value, path))
+    # burst starts need at least burst x delay seconds: with a shorter interval the
+    # budget can never run out and a crash-looping shard restarts forever.
+    if policy.interval <= policy.burst * policy.delay:
+        raise reader.fail(path, f"restart.interval ({policy.interval} s) must be longer than "
+                          f"burst x delay ({policy.burst} x {policy.delay} s), or the restart "
+                          "budget never runs out")
+    return policy
+
+
+# -- group_restart: the supervisor's restarts of every rank together --------------------
+
+GROUP_RESTART_KEYS = (
+    Key("delay", seconds(0, 604800, "seconds before the first group restart"), 5,
+        "the backoff before the first group restart in a window"),
+    Key("max_delay", seconds(0, 604800, "the longest backoff in seconds"), 300,
+        "the longest backoff"),
+    Key("budget", integer(0, 604800, "group restarts allowed in the window"), 5,
+        "group restarts allowed within the window"),
+    Key("window", seconds(1, 604800, "a window in seconds"), 3600, "the budget's window"),
+)
+_G_DELAY, _G_MAX_DELAY, _G_BUDGET, _G_WINDOW = GROUP_RESTART_KEYS
+
+
+@dataclass(frozen=True)
+class GroupRestartPolicy:
+    """A replica's group_restart (the supervisor's, health/group_restart.py): the delay
+    before the nth restart in a window is delay x 2^(n-1), at most max_delay; at most
+    budget restarts within window seconds. Here, not there: the render path reads it and
+    need not import the supervisor's rules."""
+
+    delay: int = _G_DELAY.default
+    max_delay: int = _G_MAX_DELAY.default
+    budget: int = _G_BUDGET.default
+    window: int = _G_WINDOW.default
+
+
+def read_group_restart(reader: Reader, value: Any, path: KeyPath) -> GroupRestartPolicy:
+    policy = GroupRestartPolicy(**read_all(reader, GROUP_RESTART_KEYS, value, path))
+    if policy.max_delay < policy.delay:
+        raise reader.fail((*path, "max_delay"), f"expected at least delay ({policy.delay} s); "
+                          f"got {policy.max_delay}")
+    return policy
+
+
+# -- health: how the supervisor judges the shards ----------------------------------------
+
+GENERATION_KEYS = (
+    Key("interval", seconds(1, 86400, "seconds between one-token completions"), 30,
+        "seconds between one-token completions"),
+    Key("timeout", seconds(1, 600, "a completion timeout in seconds"), 10,
+        "how long a one-token completion may take"),
+)
+_GEN_INTERVAL, _GEN_TIMEOUT = GENERATION_KEYS
+
+
+@dataclass(frozen=True)
+class GenerationCheck:
+    """A one-token completion asked of the serving rank, because /health can stay 200
+    while generation fails (a dead mp peer, a lost Ray worker: docs/engines.md)."""
+
+    interval: int = _GEN_INTERVAL.default
+    timeout: int = _GEN_TIMEOUT.default
+
+
+def read_generation(reader: Reader, value: Any, path: KeyPath) -> GenerationCheck | None:
+    """`true` (the defaults), `false` (off), or {interval, timeout}."""
+    if value is True or value is False:
+        return GenerationCheck() if value else None
+    return GenerationCheck(**read_all(reader, GENERATION_KEYS, value, path))
+
+
+def read_probe_path(reader: Reader, value: Any, path: KeyPath) -> str:
+    text = reader.string(value, path, "an HTTP path such as /health")
+    if not text.startswith("/") or any(c in text for c in " ?#"):
+        raise reader.fail(path, f"expected an HTTP path such as /health; got '{text}'")
+    return text
+
+
+HEALTH_KEYS = (
+    Key("path", read_probe_path, "/health", "the serving rank's health endpoint"),
+    Key("interval", seconds(1, 3600, "seconds between probes"), 5, "seconds between probes"),
+    Key("timeout", seconds(1, 600, "a probe timeout in seconds"), 2, "a probe's timeout"),
+    Key("stability", seconds(0, 86400, "seconds a non-serving rank must stay up"), 30,
+        "seconds a non-serving rank must stay up to count as ready"),
+    Key("generation", read_generation, None, "the one-token completion check"),
+)
+_PATH, _H_INTERVAL, _H_TIMEOUT, _STABILITY, _GENERATION = HEALTH_KEYS
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """How the supervisor judges the shards: the serving rank's HTTP probe, and how long
+    a non-serving rank must stay up before it counts as ready."""
+
+    path: str = _PATH.default
+    interval: int = _H_INTERVAL.default
+    timeout: int = _H_TIMEOUT.default
+    stability: int = _STABILITY.default
+    generation: GenerationCheck | None = _GENERATION.default
+
+
+def read_health(reader: Reader, value: Any, path: KeyPath) -> HealthCheck:
+    return HealthCheck(**read_all(reader, HEALTH_KEYS, value, path))
