@@ -338,7 +338,8 @@ def _table(rows: Sequence[tuple[str, ...]]) -> None:
 
 def _cluster_tls(cert: str | None, key: str | None, ca: str | None
                  ) -> ssl.SSLContext | None:
-    from llmgw_systemd.supervisor.tls import TlsError, client_context, find_tls_files
+    from llmgw_systemd.errors import TlsError
+    from llmgw_systemd.supervisor.tls import client_context, find_tls_files
 
     try:
         files = find_tls_files(cert, key, ca, credentials_dir=DEFAULT_TLS_DIR
@@ -355,8 +356,9 @@ def _print_cluster(replicas: list[Replica], node: str, statuses: list[ShardStatu
     import json
     from concurrent.futures import ThreadPoolExecutor
 
+    from llmgw_systemd.errors import PeerError
     from llmgw_systemd.health.cluster_view import PeerView, all_ready, cluster_rows
-    from llmgw_systemd.supervisor.peer_client import PeerError, fetch_shards
+    from llmgw_systemd.supervisor.peer_client import fetch_shards
     from llmgw_systemd.supervisor.tls import names_node
 
     address = {n.name: n.address for r in replicas for n in r.nodes if n.name != node}
@@ -445,14 +447,10 @@ def supervisor_command(specs: tuple[str, ...], node: str | None, user_manager: b
     import gc as collector
     import signal
 
+    from llmgw_systemd.errors import TlsError
     from llmgw_systemd.supervisor.daemon import SupervisorConfig, is_loopback, serve
     from llmgw_systemd.supervisor.state_file import check_writable
-    from llmgw_systemd.supervisor.tls import (
-        TlsError,
-        client_context,
-        find_tls_files,
-        server_context,
-    )
+    from llmgw_systemd.supervisor.tls import client_context, find_tls_files, server_context
 
     collector.enable()  # a long-running daemon: _run turned it off for the short-lived CLIs
     try:

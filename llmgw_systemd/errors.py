@@ -1,8 +1,24 @@
-"""The one exception tree. Only entry points turn these into exit statuses."""
+"""The one exception tree. Every error raised on purpose is one of these; only the entry
+points (cli.py, and the helpers' main()) turn them into exit statuses.
+
+    LlmgwError                 exit 1: something outside the input went wrong
+    ├── BadInput               exit 2: a malformed spec, value or argument
+    │   ├── SpecError          a spec value: file, line, key path, what was expected
+    │   ├── NoShard            the node has no shard in the spec
+    │   ├── UsageError         a command-line argument
+    │   └── UnsafeValue        a value no unit file can hold as it is
+    ├── InstallError           writing or pruning the unit folder
+    ├── SystemctlError         a systemctl step of --apply
+    ├── BusError               systemd over D-Bus: unreachable, or a call refused
+    ├── PeerError              a fetch from a peer supervisor (its kind says how)
+    ├── TlsError               the TLS files: missing, unreadable, not fitting together
+    └── StateError             the supervisor's state directory
+"""
 
 from __future__ import annotations
 
-from typing import NoReturn
+import re
+from typing import Literal, NoReturn
 
 
 def unreachable(value: NoReturn) -> NoReturn:
@@ -61,3 +77,42 @@ class InstallError(LlmgwError):
 
 class SystemctlError(LlmgwError):
     """A systemctl step of llmgw-render --apply failed; nothing after it was done."""
+
+
+class BusError(LlmgwError):
+    """systemd could not be reached over D-Bus, or refused a call."""
+
+
+# How a peer fetch failed, for counting (llmgw_peer_fetch_failures{kind}).
+PeerFailure = Literal["connect", "timeout", "tls", "http-status", "redirect", "too-large",
+                      "malformed", "closed"]
+PEER_FAILURES: tuple[PeerFailure, ...] = ("connect", "timeout", "tls", "http-status",
+                                          "redirect", "too-large", "malformed", "closed")
+MAX_PEER_MESSAGE = 400  # the daemon logs a peer error as it is: keep one line short
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class PeerError(LlmgwError):
+    """A fetch from a peer supervisor failed; `kind` says how. The message may quote what
+    the peer sent, so it is made one short line with control characters escaped."""
+
+    def __init__(self, kind: PeerFailure, message: str) -> None:
+        if kind not in PEER_FAILURES:
+            raise ValueError(f"unknown PeerError kind {kind!r}")
+        self.kind = kind
+        self.message = one_line(message)
+        super().__init__(self.message)
+
+
+def one_line(text: str, limit: int = MAX_PEER_MESSAGE) -> str:
+    """Text fit for one log line: control characters escaped, at most `limit` long."""
+    text = _CONTROL_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+class TlsError(LlmgwError):
+    """The TLS files are missing, unreadable, malformed or do not fit together."""
+
+
+class StateError(LlmgwError):
+    """The supervisor's state directory cannot be read or written."""

@@ -199,3 +199,18 @@ def test_the_generators_fast_path_imports_only_what_it_must() -> None:
                    "llmgw_systemd.spec.names.is_spec_file"}, top
     assert imports("generator.fast_path") == {"llmgw_systemd.spec.names"}
     assert imports("spec.names") == set()
+
+
+def test_one_exception_tree() -> None:
+    """Every exception class of ours is in errors.py, and its docstring draws each one."""
+    tree_doc = ast.get_docstring(ast.parse(_source("errors").read_text(encoding="utf-8")))
+    for module in MODULES:
+        tree = ast.parse(_source(module).read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
+            if any(b.endswith(("Error", "Exception", "Input"))
+                   for b in bases):
+                assert module == "errors", f"{module} defines exception {node.name}"
+                assert node.name in (tree_doc or ""), f"errors.py's tree lacks {node.name}"

@@ -31,14 +31,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from llmgw_systemd.errors import LlmgwError
-from llmgw_systemd.supervisor.peer_client import (
-    PEER_ERROR_KINDS,
-    PeerAnswer,
-    PeerError,
-    ShardReport,
-    fetch_shards,
-)
+from llmgw_systemd.errors import PEER_FAILURES, LlmgwError, PeerError
+from llmgw_systemd.supervisor.peer_client import PeerAnswer, ShardReport, fetch_shards
+
+PEER_ERROR_KINDS = PEER_FAILURES
 
 HOSTILE_PEER = Path(__file__).parent / "standins" / "hostile_peer.py"
 LIVENESS = 2.0  # a call must have returned by its deadline plus this (a hang bound only)
@@ -684,7 +680,7 @@ def test_peer_error() -> None:
     assert (error.kind, str(error)) == ("closed", "a\\x0ab\\x1b[31m")
     assert len(str(PeerError("malformed", "x" * 10_000))) <= 400
     with pytest.raises(ValueError, match="kind"):
-        PeerError("oops", "message")
+        PeerError("oops", "message")  # type: ignore[arg-type]
 
 
 # -- the hostile peer stand-in -----------------------------------------------------------

@@ -23,10 +23,9 @@ from typing import Any
 import pytest
 from certs import cluster, make_ca, make_node_cert
 
-from llmgw_systemd.errors import LlmgwError
+from llmgw_systemd.errors import LlmgwError, TlsError
 from llmgw_systemd.supervisor.tls import (
     CREDENTIAL_NAMES,
-    TlsError,
     TlsFiles,
     client_context,
     find_tls_files,

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llmgw_systemd.errors import LlmgwError, SpecError
+from llmgw_systemd.errors import BusError, LlmgwError, PeerError, SpecError, StateError
 from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, ProbeEvidence
 from llmgw_systemd.health.judge import Memory, ReplicaPolicy, Verdict, judge, refused
 from llmgw_systemd.health.rules import READY
@@ -39,12 +39,12 @@ from llmgw_systemd.spec.replicas import collect_spec, keep_last_good
 from llmgw_systemd.supervisor.http import api
 from llmgw_systemd.supervisor.http.metrics import SupervisorMetrics
 from llmgw_systemd.supervisor.http.server import Changes, HttpServer, Request, Response
-from llmgw_systemd.supervisor.peer_client import PeerError, fetch_shards
+from llmgw_systemd.supervisor.peer_client import fetch_shards
 from llmgw_systemd.supervisor.probes import completion_probe, http_probe, probe_address
 from llmgw_systemd.supervisor.rate_limited_log import RateLimitedLog
 from llmgw_systemd.supervisor.shard_reader import LocalShard, local_shards
-from llmgw_systemd.supervisor.state_file import StateError, load_restarts, save_restarts
-from llmgw_systemd.supervisor.systemd_bus import BusError, SystemdBus
+from llmgw_systemd.supervisor.state_file import load_restarts, save_restarts
+from llmgw_systemd.supervisor.systemd_bus import SystemdBus
 from llmgw_systemd.supervisor.tls import TlsFiles, client_context, names_node, server_context
 
 

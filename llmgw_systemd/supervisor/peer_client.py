@@ -13,7 +13,7 @@ trusted with the replica's verdict, so this client believes as little as it can:
 - the answer is parsed strictly into frozen dataclasses, and any deviation is an error
   naming the JSON path.
 
-Every failure is one PeerError whose `kind` is one of PEER_ERROR_KINDS (the daemon counts
+Every failure is one PeerError (errors.py) whose `kind` is one of PEER_FAILURES (the daemon counts
 them by kind) and whose message is one line naming the peer (the daemon logs it,
 rate-limited). No other exception escapes a fetch; only wrong arguments (a caller's bug,
 not a peer's fault) raise ValueError.
@@ -34,42 +34,24 @@ from typing import Any, Callable, NoReturn, TypeVar
 
 import h11
 
-from llmgw_systemd.errors import LlmgwError
+from llmgw_systemd.errors import PeerError, one_line
 from llmgw_systemd.health.evidence import PeerShard
 from llmgw_systemd.health.rules import STATES
 from llmgw_systemd.spec.document import KeyPath, format_path
 from llmgw_systemd.spec.names import is_node_name, is_replica_name
 from llmgw_systemd.spec.reader import Reader
 
-__all__ = ["PEER_ERROR_KINDS", "PeerAnswer", "PeerError", "ShardReport", "fetch_shards"]
-
-PEER_ERROR_KINDS = ("connect", "timeout", "tls", "http-status", "redirect", "too-large",
-                    "malformed", "closed")
-
 SHARDS_PATH = "/v1/shards"
 USER_AGENT = "llmgw-supervisor"
 MAX_SHARDS = 1000
 MAX_REASON = 2000
 MAX_GENERATION = 64
-MAX_MESSAGE = 400  # an error message is logged as is: keep one line short
 MAX_HEADER_BYTES = 16 * 1024  # status line plus headers; a real peer sends a few hundred
 RECV_SIZE = 64 * 1024
 READING = "reading the body"
 GENERATION_RE = re.compile(r"[0-9a-f]*\Z")
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 T = TypeVar("T")
-
-
-class PeerError(LlmgwError):
-    """A fetch from a peer supervisor failed; `kind` says how, for counting."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        if kind not in PEER_ERROR_KINDS:
-            raise ValueError(f"unknown PeerError kind {kind!r}")
-        self.kind = kind
-        self.message = _one_line(message)
-        super().__init__(self.message)
 
 
 # One rank of one replica as the peer reports it: parsed straight into evidence.
@@ -112,11 +94,8 @@ def fetch_shards(host: str, port: int, *, deadline: float, after: int | None = N
         # json.JSONDecodeError is a ValueError, as are our hooks' complaints and the
         # int-digits limit; a deeply nested document hits the recursion limit
         raise PeerError("malformed", f"{fetch.where}: the answer is not JSON: "
-                        f"{_one_line(str(exc)) or type(exc).__name__}") from None
-    try:
-        node, version, shards = _parse_answer(document)
-    except _Malformed as exc:
-        raise PeerError("malformed", f"{fetch.where}: {exc.path}: {exc.problem}") from None
+                        f"{one_line(str(exc)) or type(exc).__name__}") from None
+    node, version, shards = _parse_answer(wire_reader(fetch.where), document)
     return PeerAnswer(node, version, shards, peer_cert)
 
 
@@ -302,7 +281,7 @@ class _Fetch:
     def check_status(self, response: h11.Response, max_bytes: int) -> None:
         code = response.status_code
         headers = {name: value for name, value in response.headers}
-        reason = _one_line(response.reason.decode("latin-1"))
+        reason = one_line(response.reason.decode("latin-1"))
         if 300 <= code < 400:
             location = headers.get(b"location")
             named = (f"to {_quote(location.decode('latin-1'))}" if location is not None
@@ -320,53 +299,47 @@ class _Fetch:
 # -- the answer --------------------------------------------------------------------------
 
 
-class _Malformed(Exception):
-    """A rule of the wire format broken at `path` (internal: becomes a PeerError)."""
-
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
-        self.path = path
-        self.problem = problem
+def wire_reader(where: str) -> Reader:
+    """The wire format is read by the spec's own typed reader (spec/reader.py): a value is
+    checked the same way whoever wrote it; here an error names the peer and JSON path."""
+    return Reader(lambda path, message, _at_key: PeerError(
+        "malformed", f"{where}: {format_path(path) or 'top level'}: {message}"))
 
 
-# The wire format is read by the spec's own typed reader (spec/reader.py): a value is
-# checked the same way whoever wrote it; here an error names the JSON path.
-_WIRE = Reader(lambda path, message, _at_key: _Malformed(format_path(path) or "top level",
-                                                          message))
 _VERSION_MAX = 2**63 - 1
 _RANK_MAX = 2**31 - 1
 _ANSWER_KEYS = ("node", "version", "shards")
 _SHARD_KEYS = ("replica", "rank", "node", "state", "reason", "generation", "serving")
 
 
-def _parse_answer(document: Any) -> tuple[str, int, tuple[ShardReport, ...]]:
+def _parse_answer(wire: Reader, document: Any) -> tuple[str, int, tuple[ShardReport, ...]]:
     # others=True: a newer peer may send fields this one does not know
-    answer = _WIRE.mapping(document, (), _ANSWER_KEYS, _ANSWER_KEYS, others=True)
-    node = _node_name(answer["node"], ("node",))
-    version = _WIRE.integer(answer["version"], ("version",), 0, _VERSION_MAX,
+    answer = wire.mapping(document, (), _ANSWER_KEYS, _ANSWER_KEYS, others=True)
+    node = _node_name(wire, answer["node"], ("node",))
+    version = wire.integer(answer["version"], ("version",), 0, _VERSION_MAX,
                             "a version number")
-    items = _WIRE.sequence(answer["shards"], ("shards",), "shards", max_len=MAX_SHARDS)
-    return node, version, tuple(_shard(item, ("shards", i)) for i, item in enumerate(items))
+    items = wire.sequence(answer["shards"], ("shards",), "shards", max_len=MAX_SHARDS)
+    return node, version, tuple(_shard(wire, item, ("shards", i)) for i, item in enumerate(items))
 
 
-def _shard(value: Any, path: KeyPath) -> ShardReport:
-    shard = _WIRE.mapping(value, path, _SHARD_KEYS, _SHARD_KEYS, others=True)
+def _shard(wire: Reader, value: Any, path: KeyPath) -> ShardReport:
+    shard = wire.mapping(value, path, _SHARD_KEYS, _SHARD_KEYS, others=True)
 
     def at(key: str) -> KeyPath:
         return (*path, key)
 
     return ShardReport(
-        replica=_WIRE.matching(shard["replica"], at("replica"), is_replica_name,
+        replica=wire.matching(shard["replica"], at("replica"), is_replica_name,
                                "a replica name"),
-        rank=_WIRE.integer(shard["rank"], at("rank"), 0, _RANK_MAX, "a rank"),
-        node=_node_name(shard["node"], at("node")),
-        state=_WIRE.choice(shard["state"], at("state"), STATES),
-        reason=_WIRE.string(shard["reason"], at("reason"), "a reason", empty=True,
+        rank=wire.integer(shard["rank"], at("rank"), 0, _RANK_MAX, "a rank"),
+        node=_node_name(wire, shard["node"], at("node")),
+        state=wire.choice(shard["state"], at("state"), STATES),
+        reason=wire.string(shard["reason"], at("reason"), "a reason", empty=True,
                             max_len=MAX_REASON),
-        generation=_WIRE.matching(shard["generation"], at("generation"), _is_generation,
+        generation=wire.matching(shard["generation"], at("generation"), _is_generation,
                                   "a shard generation (lowercase hex, at most "
                                   f"{MAX_GENERATION} characters)", empty=True),
-        serving=_WIRE.boolean(shard["serving"], at("serving"), "whether it serves HTTP"),
+        serving=wire.boolean(shard["serving"], at("serving"), "whether it serves HTTP"),
     )
 
 
@@ -374,8 +347,8 @@ def _is_generation(text: str) -> bool:
     return len(text) <= MAX_GENERATION and bool(GENERATION_RE.match(text))
 
 
-def _node_name(value: Any, path: KeyPath) -> str:
-    return _WIRE.matching(value, path, is_node_name, "a node name")
+def _node_name(wire: Reader, value: Any, path: KeyPath) -> str:
+    return wire.matching(value, path, is_node_name, "a node name")
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -439,9 +412,3 @@ def _describe(exc: BaseException | None) -> str:
 def _quote(text: str) -> str:
     quoted = json.dumps(text)
     return quoted if len(quoted) <= 200 else f"{quoted[:197]}..."
-
-
-def _one_line(text: str) -> str:
-    # the daemon logs messages as they are: no line breaks or escapes from a peer
-    text = _CONTROL_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-    return text if len(text) <= MAX_MESSAGE else f"{text[:MAX_MESSAGE - 3]}..."

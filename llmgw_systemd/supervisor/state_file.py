@@ -16,15 +16,11 @@ import os
 import tempfile
 from collections.abc import Mapping
 
-from llmgw_systemd.errors import LlmgwError
+from llmgw_systemd.errors import StateError
 
 FILE_NAME = "group-restarts.json"
 FORMAT = 1
 MAX_TIMES = 1000  # per replica: a budget is far smaller; a bound against a bad file
-
-
-class StateError(LlmgwError):
-    """The state directory cannot be read or written."""
 
 
 def state_path(directory: str) -> str:

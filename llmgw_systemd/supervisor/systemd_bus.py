@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from llmgw_systemd.errors import LlmgwError
+from llmgw_systemd.errors import BusError
 from llmgw_systemd.health.unit_state import UnitState, missing
 
 SYSTEMD = "org.freedesktop.systemd1"
@@ -38,10 +38,6 @@ DEFAULT_TIMEOUT = 5.0
 # dbus-daemon allows 512 match rules per connection on the system bus: past this many
 # watched units, one broad rule and a filter here instead.
 MAX_PATH_RULES = 200
-
-
-class BusError(LlmgwError):
-    """systemd could not be reached or refused a call."""
 
 
 class SystemdBus:

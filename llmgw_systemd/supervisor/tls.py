@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, Union
 
-from llmgw_systemd.errors import LlmgwError
+from llmgw_systemd.errors import TlsError
 
 # Under $CREDENTIALS_DIRECTORY: one LoadCredential= per file (LoadCredential=node.crt:PATH)
 # delivers these names; the shipped unit's LoadCredential=tls:/etc/llmgw/tls, which loads
@@ -32,10 +32,6 @@ _LAYOUTS = (CREDENTIAL_NAMES, tuple(f"{CREDENTIAL_FOLDER_ID}_{n}" for n in CREDE
 _ROLES = ("cert", "key", "ca")
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
-
-
-class TlsError(LlmgwError):
-    """The TLS files are missing, unreadable, malformed or do not fit together."""
 
 
 @dataclass(frozen=True)
