@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_systemd.apply.rollout import ReplicaFiles, Step, UnitState, decide, group_files
+from llmgw_systemd.apply.rollout import ReplicaFiles, Step, SystemctlShow, decide, group_files
 from llmgw_systemd.apply.systemctl import parse_show
 from llmgw_systemd.spec.document import parse
 from llmgw_systemd.spec.replicas import build_spec
@@ -13,9 +13,9 @@ from llmgw_systemd.units.plan import Manager, plan_node
 
 T, E, R = "llmgw-a.target", "llmgw-a-engine.service", "llmgw-a-restart.service"
 ALL = (E, R, T)
-ON = UnitState(active="active", file_state="enabled")
-ACTIVATING = UnitState(active="activating")
-OFF = UnitState()
+ON = SystemctlShow(active="active", file_state="enabled")
+ACTIVATING = SystemctlShow(active="activating")
+OFF = SystemctlShow()
 
 
 def files(kind: str, enable: bool = False) -> ReplicaFiles:
@@ -43,7 +43,7 @@ def files(kind: str, enable: bool = False) -> ReplicaFiles:
      "replica a: updated (changed: llmgw-a-engine.service; not running, so left stopped)"),
     ("same", {T: ON, E: ON}, False, [], "replica a: nothing to do"),
     # files written earlier without a reload: systemd runs an older version
-    ("same", {T: ON, E: UnitState(active="active", need_reload=True)}, False,
+    ("same", {T: ON, E: SystemctlShow(active="active", need_reload=True)}, False,
      [Step("daemon-reload"), Step("restart", (T,))],
      "replica a: restarted (its files changed since systemd last read them)"),
     ("new", {}, False, [Step("write"), Step("daemon-reload")],
@@ -55,7 +55,7 @@ def files(kind: str, enable: bool = False) -> ReplicaFiles:
     ("removed", {T: ON, E: ON, R: OFF}, False,
      [Step("stop", (T, E)), Step("disable", (T,)), Step("write"), Step("daemon-reload")],
      "replica a: stopped (3 unit files removed)"),
-    ("removed", {E: UnitState(active="failed")}, False,
+    ("removed", {E: SystemctlShow(active="failed")}, False,
      [Step("reset-failed", (E,)), Step("write"), Step("daemon-reload")],
      "replica a: removed (was not running; 3 unit files removed)"),
     # a restart pending in the restart unit is stopped too, or it would start the target
@@ -68,10 +68,10 @@ def files(kind: str, enable: bool = False) -> ReplicaFiles:
       Step("restart", (T,))],
      "replica a: restarted (changed: llmgw-a-engine.service, llmgw-a-head.service, "
      "llmgw-a.target)"),
-    ("changed", {T: UnitState(masked=True)}, False, [Step("write"), Step("daemon-reload")],
+    ("changed", {T: SystemctlShow(masked=True)}, False, [Step("write"), Step("daemon-reload")],
      "replica a: left alone (llmgw-a.target is masked)"),
 ])
-def test_decide(kind: str, states: dict[str, UnitState], start: bool, steps: list[Step],
+def test_decide(kind: str, states: dict[str, SystemctlShow], start: bool, steps: list[Step],
                 line: str) -> None:
     replica = files(kind)
     rollout = decide([replica], states, files_dirty=bool(replica.changed), start_new=start)
@@ -82,13 +82,13 @@ def test_decide(kind: str, states: dict[str, UnitState], start: bool, steps: lis
 @pytest.mark.parametrize(("kind", "states", "steps", "line"), [
     ("new", {}, [Step("write"), Step("daemon-reload"), Step("enable", (T,)),
                  Step("start", (T,))], "replica a: started and enabled (new)"),
-    ("same", {T: UnitState(active="active", file_state="disabled")},
+    ("same", {T: SystemctlShow(active="active", file_state="disabled")},
      [Step("enable", (T,))], "replica a: enabled"),
     ("same", {T: ON}, [], "replica a: nothing to do"),
     ("changed", {T: ON}, [Step("write"), Step("daemon-reload"), Step("restart", (T,))],
      "replica a: restarted (changed: llmgw-a-engine.service)"),
 ])
-def test_enable_true_enables_and_starts(kind: str, states: dict[str, UnitState],
+def test_enable_true_enables_and_starts(kind: str, states: dict[str, SystemctlShow],
                                         steps: list[Step], line: str) -> None:
     replica = files(kind, enable=True)
     rollout = decide([replica], states, files_dirty=bool(replica.changed), start_new=False)
@@ -155,7 +155,7 @@ def test_parse_show() -> None:
             "Id=llmgw-c.target\nLoadState=not-found\nActiveState=inactive\n"
             "NeedDaemonReload=no\nUnitFileState=\n")
     assert parse_show(text) == {
-        "llmgw-a.target": UnitState("active", False, False, "enabled"),
-        "llmgw-b.target": UnitState("inactive", True, True, "masked"),
-        "llmgw-c.target": UnitState("inactive", False, False, ""),
+        "llmgw-a.target": SystemctlShow("active", False, False, "enabled"),
+        "llmgw-b.target": SystemctlShow("inactive", True, True, "masked"),
+        "llmgw-c.target": SystemctlShow("inactive", False, False, ""),
     }

@@ -71,7 +71,7 @@ class ReplicaFiles:
 
 
 @dataclass(frozen=True)
-class UnitState:
+class SystemctlShow:
     """What systemd says of one unit (systemctl show)."""
 
     active: str = "inactive"  # ActiveState
@@ -139,12 +139,12 @@ def group_files(files: Sequence[tuple[str, str, str | None]], plans: Sequence[Sh
     return out
 
 
-def decide(replicas: Sequence[ReplicaFiles], states: Mapping[str, UnitState], *,
+def decide(replicas: Sequence[ReplicaFiles], states: Mapping[str, SystemctlShow], *,
            files_dirty: bool, start_new: bool) -> Rollout:
     """The steps and per-replica lines for one apply. states: every existing unit's
     state (a unit missing from it counts as inactive and unknown to systemd)."""
-    def state(unit: str) -> UnitState:
-        return states.get(unit, UnitState())
+    def state(unit: str) -> SystemctlShow:
+        return states.get(unit, SystemctlShow())
 
     stops: list[str] = []
     resets: list[str] = []

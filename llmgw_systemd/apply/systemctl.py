@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Sequence
 
-from llmgw_systemd.apply.rollout import UnitState
+from llmgw_systemd.apply.rollout import SystemctlShow
 from llmgw_systemd.errors import SystemctlError
 
 SYSTEMCTL = "/usr/bin/systemctl"  # on Debian (merged /usr) and RHEL alike
@@ -30,7 +30,7 @@ def systemctl(user: bool, *args: str) -> str:
     return proc.stdout
 
 
-def unit_states(user: bool, units: Sequence[str]) -> dict[str, UnitState]:
+def unit_states(user: bool, units: Sequence[str]) -> dict[str, SystemctlShow]:
     """Every unit's state in one systemctl show."""
     if not units:
         return {}
@@ -38,14 +38,14 @@ def unit_states(user: bool, units: Sequence[str]) -> dict[str, UnitState]:
     return parse_show(out)
 
 
-def parse_show(text: str) -> dict[str, UnitState]:
+def parse_show(text: str) -> dict[str, SystemctlShow]:
     """systemctl show's blocks (one per unit, a blank line between) -> state by Id."""
-    states: dict[str, UnitState] = {}
+    states: dict[str, SystemctlShow] = {}
     for block in text.split("\n\n"):
         props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
         if "Id" not in props:
             continue
-        states[props["Id"]] = UnitState(
+        states[props["Id"]] = SystemctlShow(
             active=props.get("ActiveState", "inactive"),
             masked=props.get("LoadState") == "masked",
             need_reload=props.get("NeedDaemonReload") == "yes",

@@ -37,7 +37,7 @@ from llmgw_systemd.spec.files import read_each, spec_files
 from llmgw_systemd.spec.model import Spec
 from llmgw_systemd.spec.replicas import collect_spec, keep_last_good
 from llmgw_systemd.supervisor.http import api
-from llmgw_systemd.supervisor.http.metrics import SupervisorMetrics
+from llmgw_systemd.supervisor.http.metrics import Figures, ReplicaFigures, SupervisorMetrics
 from llmgw_systemd.supervisor.http.server import Changes, HttpServer, Request, Response
 from llmgw_systemd.supervisor.peer_client import fetch_shards
 from llmgw_systemd.supervisor.probes import completion_probe, http_probe, probe_address
@@ -84,6 +84,9 @@ def is_loopback(host: str) -> bool:
 
 
 HEALTH, GENERATION = "health", "generation"
+# One replica's published part: (its shard report, its /v1/replicas body, its state,
+# its figures for the metrics)
+View = tuple[dict[str, Any], bytes, str, ReplicaFigures]
 
 
 class Prober:
@@ -111,13 +114,13 @@ class Prober:
                 started = time.monotonic()
                 if self.kind == GENERATION and check is not None:
                     result = completion_probe(host, port, http.model, check.timeout)
-                    sup.metrics.completion_seconds.labels(replica.name).observe(
-                        time.monotonic() - started)
+                    sup.metrics.completion_seconds.observe(replica.name,
+                                                           time.monotonic() - started)
                 else:
                     result = http_probe(host, port, replica.health.path,
                                         replica.health.timeout)
-                    sup.metrics.probe_seconds.labels(replica.name).observe(
-                        time.monotonic() - started)
+                    sup.metrics.probe_seconds.observe(replica.name,
+                                                      time.monotonic() - started)
                 sup.add_probe(replica.name, self.kind,
                               ProbeEvidence(result.ok, result.detail, generation, started))
             self.poke.wait(interval)
@@ -159,7 +162,7 @@ class PeerFetcher:
             except PeerError as exc:
                 failures += 1
                 after = None
-                sup.metrics.peer_failures.labels(self.node, exc.kind).inc()
+                sup.metrics.peer_failures.inc(self.node, exc.kind)
                 sup.limited_log(f"peer:{self.node}:{exc.kind}",
                              f"peer {self.node} ({self.address}): {exc}")
                 sup.add_peer(PeerEvidence(self.node, time.monotonic(), False,
@@ -196,7 +199,7 @@ class Supervisor:
         # the reconcile thread's own
         self.memory: dict[str, Memory] = {}
         self.verdicts: dict[str, Verdict] = {}
-        self.views: dict[str, tuple[dict[str, Any], bytes, str]] = {}
+        self.views: dict[str, View] = {}
         self.status = ""  # the last sd_notify STATUS= sent
         self.bus_error = ""
         self.last_full = 0.0
@@ -207,7 +210,9 @@ class Supervisor:
         self.changes = Changes()
         self.published = api.Published(config.node, 0)
         self.servers: dict[str, HttpServer] = {}
+        self.figures = Figures()  # what the metrics show: the last judgement's
         self.metrics = SupervisorMetrics(
+            lambda: self.figures,
             lambda: {name: server.stats for name, server in self.servers.items()})
         self.limited_log = RateLimitedLog(log)
 
@@ -263,13 +268,11 @@ class Supervisor:
             del self.views[gone]
         for name in names - set(self.memory):
             self.memory[name] = Memory(restarts=self._restarts_from_disk(name))
-        self.metrics.forget_others(names)
         self._sync_threads()
         with self.lock:
             peers = {node for node, _ in self.fetchers}
             for gone in set(self.peers) - peers:
                 del self.peers[gone]
-        self.metrics.forget_peers(peers)
         self.last_full = 0.0  # read every unit again
         log(f"watching {len(shards)} shard(s) on node {self.config.node}: "
             f"{', '.join(s.replica.name for s in shards) or 'none'}")
@@ -348,7 +351,7 @@ class Supervisor:
     def add_peer(self, evidence: PeerEvidence) -> None:
         for policy in list(self.policies.values()):  # counted once per answer received
             for line in refused(policy, evidence):
-                self.metrics.ignored_reports.labels(policy.name).inc()
+                self.metrics.ignored_reports.inc(policy.name)
                 self.limited_log(f"ignored:{policy.name}:{evidence.source}",
                               f"{policy.name}: ignored a report: {line}")
         with self.lock:
@@ -512,8 +515,9 @@ class Supervisor:
     # -- publishing ----------------------------------------------------------------------
 
     def _view(self, shard: LocalShard, verdict: Verdict, evidence: LocalEvidence | None,
-              now: float) -> tuple[dict[str, Any], bytes, str]:
-        """One replica's part of the API: its shard report, its replica body, its state."""
+              now: float) -> View:
+        """One replica's part of the API: its shard report, its replica body, its state,
+        and its figures for the metrics."""
         name = shard.replica.name
         mine = verdict.ranks[shard.plan.rank]
         units = (evidence.target, *evidence.members) if evidence else ()
@@ -535,11 +539,10 @@ class Supervisor:
             "settled": verdict.settled,
             "systemd": "unreachable: " + self.bus_error if self.bus_error else "ok",
         })
-        self.metrics.set_replica(name, verdict.health.state, recent)
-        self.metrics.set_shard(name, shard.plan.rank, mine.state,
-                               [(u.name, u.n_restarts) for u in units
-                                if u.name.endswith(".service")])
-        return report, body, verdict.health.state
+        figures = ReplicaFigures(name, verdict.health.state, recent, shard.plan.rank,
+                                 mine.state, tuple((u.name, u.n_restarts) for u in units
+                                                   if u.name.endswith(".service")))
+        return report, body, verdict.health.state, figures
 
     def _publish(self, local: dict[str, LocalEvidence], now: float,
                  only: set[str] | None = None) -> None:
@@ -550,16 +553,18 @@ class Supervisor:
                 self.views[name] = self._view(shard, verdict, local.get(name), now)
         views = [(s.replica.name, self.views[s.replica.name]) for s in self.shards
                  if s.replica.name in self.views]
-        self.metrics.systemd_up.set(0 if self.bus_error else 1)
+        self.figures = Figures(tuple(figures for _, (_, _, _, figures) in views),
+                               tuple(sorted({node for node, _ in self.fetchers})),
+                               systemd_reachable=not self.bus_error)
         old = self.published
-        fresh = tuple(report for _, (report, _, _) in views)
+        fresh = tuple(report for _, (report, _, _, _) in views)
         version = old.version if fresh == old.shards else self.changes.version + 1
-        bodies = {name: body for name, (_, body, _) in views}
+        bodies = {name: body for name, (_, body, _, _) in views}
         self.published = api.Published(self.config.node, version, fresh,
                                        b"[" + b",\n".join(bodies.values()) + b"]", bodies)
         if version != old.version:
             self.changes.bump()
-        ready = sum(1 for _, (_, _, state) in views if state == READY)
+        ready = sum(1 for _, (_, _, state, _) in views if state == READY)
         status = (f"STATUS={len(views)} replica(s), {ready} ready"
                   + (f"; systemd unreachable: {self.bus_error}" if self.bus_error else ""))
         if status != self.status:

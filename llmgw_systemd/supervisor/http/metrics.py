@@ -1,113 +1,175 @@
-"""Prometheus metrics of the supervisor, in a registry of its own (prometheus_client).
+"""Prometheus metrics of the supervisor, built per scrape (prometheus_client's Collector).
 
-Filled by the reconcile loop after each judgement and rendered on request: formatting is
-prometheus_client's, serving is the API's. Series of replicas that left the spec are
-removed when the spec is reloaded, so nothing stale stays exported.
+Every scrape builds the series from the last judgement the daemon published (Figures,
+immutable) and from a few running totals kept here; formatting is prometheus_client's,
+serving is the API's. A replica or peer that left the spec is simply not in the next
+judgement, so none of its series is exported: nothing needs to be forgotten, and no
+private part of prometheus_client is touched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from llmgw_systemd.health.rules import STATES, State
 
-
-class _StatsCollector(Collector):
-    """Counters kept elsewhere (the HTTP servers' own), read at scrape time."""
-
-    def __init__(self, source: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
-        self.source = source
-
-    def collect(self) -> Iterable[CounterMetricFamily]:
-        family = CounterMetricFamily("llmgw_http_events", "HTTP server events by listener",
-                                     labels=["listener", "event"])
-        for listener, stats in sorted(self.source().items()):
-            for event, value in sorted(stats.items()):
-                if event != "open":
-                    family.add_metric([listener, event], value)
-        yield family
+# prometheus_client's default buckets (seconds), the usual ones for request latency
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 
 
-class SupervisorMetrics:
-    def __init__(self, http_stats: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
-        self.registry = CollectorRegistry()
-        self.content_type = CONTENT_TYPE_LATEST
-        r = self.registry
-        self.replica_state = Gauge("llmgw_replica_state", "1 for the replica's current state",
-                                   ["replica", "state"], registry=r)
-        self.shard_state = Gauge("llmgw_shard_state", "1 for this node's shard's state",
-                                 ["replica", "rank", "state"], registry=r)
-        self.unit_restarts = Gauge("llmgw_unit_restarts", "systemd's NRestarts of a unit",
-                                   ["replica", "unit"], registry=r)
-        self.group_restarts = Gauge("llmgw_group_restarts", "group restarts of this node's "
-                                    "shard within the budget window", ["replica"], registry=r)
-        self.probe_seconds = Histogram("llmgw_probe_seconds", "HTTP health probe latency",
-                                       ["replica"], registry=r)
-        self.completion_seconds = Histogram(
-            "llmgw_generation_check_seconds", "one-token completion latency (the generation "
-            "check)", ["replica"], registry=r)
-        self.peer_failures = Counter("llmgw_peer_fetch_failures", "failed fetches of a peer "
-                                     "supervisor's reports, by kind", ["peer", "kind"],
-                                     registry=r)
-        self.ignored_reports = Counter("llmgw_peer_reports_ignored", "peer reports refused: "
-                                       "from a node the rank is not assigned to, or "
-                                       "unauthenticated", ["replica"], registry=r)
-        self.systemd_up = Gauge("llmgw_systemd_reachable", "1 when systemd answers over D-Bus",
-                                registry=r)
-        self.dbus_reads = Counter("llmgw_dbus_reads", "bulk reads of unit state from systemd "
-                                  "(signals trigger them; a read must never cause one)",
-                                  registry=r)
-        self.http_open = Gauge("llmgw_http_connections", "open API connections",
-                               ["listener"], registry=r)
+@dataclass(frozen=True)
+class ReplicaFigures:
+    """One replica as the last judgement saw it, with this node's shard of it."""
+
+    name: str
+    state: State
+    group_restarts: int  # within the budget's window
+    rank: int
+    shard_state: State
+    unit_restarts: tuple[tuple[str, int], ...]  # (unit, systemd's NRestarts)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the daemon published after its last judgement."""
+
+    replicas: tuple[ReplicaFigures, ...] = ()
+    peers: tuple[str, ...] = ()  # the peer nodes it fetches from now
+    systemd_reachable: bool = False
+
+
+class Latencies:
+    """Observations of one kind per replica, as a histogram's buckets (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_replica: dict[str, tuple[list[int], float]] = {}
+
+    def observe(self, replica: str, seconds: float) -> None:
+        with self._lock:
+            counts, total = self._by_replica.get(replica, ([0] * (len(BUCKETS) + 1), 0.0))
+            index = next((i for i, le in enumerate(BUCKETS) if seconds <= le), len(BUCKETS))
+            counts[index] += 1
+            self._by_replica[replica] = (counts, total + seconds)
+
+    def family(self, name: str, doc: str, keep: Iterable[str]) -> HistogramMetricFamily:
+        """The series of the replicas in `keep`; the others' observations are dropped."""
+        keep = set(keep)
+        family = HistogramMetricFamily(name, doc, labels=["replica"])
+        with self._lock:
+            for gone in set(self._by_replica) - keep:
+                del self._by_replica[gone]
+            for replica, (counts, total) in sorted(self._by_replica.items()):
+                cumulative, buckets = 0, []
+                for le, count in zip((*map(str, BUCKETS), "+Inf"), counts):
+                    cumulative += count
+                    buckets.append((le, float(cumulative)))
+                family.add_metric([replica], buckets, total)
+        return family
+
+
+class Counts:
+    """Running totals by label values (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, ...], int] = {}
+
+    def inc(self, *labels: str) -> None:
+        with self._lock:
+            self._counts[labels] = self._counts.get(labels, 0) + 1
+
+    def family(self, name: str, doc: str, labels: list[str],
+               keep: Callable[[tuple[str, ...]], bool] = lambda _: True
+               ) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=labels)
+        with self._lock:
+            for key in [k for k in self._counts if not keep(k)]:
+                del self._counts[key]
+            for key, value in sorted(self._counts.items()):
+                family.add_metric(list(key), value)
+            if not labels and not self._counts:
+                family.add_metric([], 0)  # a plain counter is there from the start
+        return family
+
+
+class SupervisorMetrics(Collector):
+    """The supervisor's metrics, in a registry of their own."""
+
+    def __init__(self, figures: Callable[[], Figures],
+                 http_stats: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        self.figures = figures
         self.http_stats = http_stats
-        r.register(_StatsCollector(http_stats))
-        self.replicas: set[str] = set()
+        self.probe_seconds = Latencies()
+        self.completion_seconds = Latencies()
+        self.peer_failures = Counts()  # (peer, kind)
+        self.ignored_reports = Counts()  # (replica,)
+        self.dbus_reads = Counts()  # ()
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+        self.content_type = CONTENT_TYPE_LATEST
 
-    def forget_others(self, replicas: Iterable[str]) -> None:
-        """Drop every series of replicas not in `replicas` (they left the spec)."""
-        keep = set(replicas)
-        gone = self.replicas - keep
-        self.replicas = keep
-        if not gone:
-            return
-        for metric in (self.replica_state, self.shard_state, self.unit_restarts,
-                       self.group_restarts, self.probe_seconds, self.completion_seconds,
-                       self.ignored_reports):
-            for labels in _label_sets(metric):
-                if labels and labels[0] in gone:
-                    metric.remove(*labels)
-
-    def forget_peers(self, peers: Iterable[str]) -> None:
-        keep = set(peers)
-        for labels in _label_sets(self.peer_failures):
-            if labels[0] not in keep:
-                self.peer_failures.remove(*labels)
-
-    def set_replica(self, name: str, state: State, group_restarts: int) -> None:
-        self.replicas.add(name)
-        for s in STATES:
-            self.replica_state.labels(name, s).set(state == s)
-        self.group_restarts.labels(name).set(group_restarts)
-
-    def set_shard(self, name: str, rank: int, state: State,
-                  units: Sequence[tuple[str, int]]) -> None:
-        for s in STATES:
-            self.shard_state.labels(name, str(rank), s).set(state == s)
-        for unit, restarts in units:
-            self.unit_restarts.labels(name, unit).set(restarts)
+    def collect(self) -> Iterable[Metric]:
+        figures = self.figures()
+        replicas = [r.name for r in figures.replicas]
+        state = GaugeMetricFamily("llmgw_replica_state", "1 for the replica's current state",
+                                  labels=["replica", "state"])
+        shard = GaugeMetricFamily("llmgw_shard_state", "1 for this node's shard's state",
+                                  labels=["replica", "rank", "state"])
+        units = GaugeMetricFamily("llmgw_unit_restarts", "systemd's NRestarts of a unit",
+                                  labels=["replica", "unit"])
+        group = GaugeMetricFamily("llmgw_group_restarts", "group restarts of this node's "
+                                  "shard within the budget window", labels=["replica"])
+        for r in figures.replicas:
+            for s in STATES:
+                state.add_metric([r.name, s], 1.0 if r.state == s else 0.0)
+                shard.add_metric([r.name, str(r.rank), s], 1.0 if r.shard_state == s else 0.0)
+            for unit, restarts in r.unit_restarts:
+                units.add_metric([r.name, unit], restarts)
+            group.add_metric([r.name], r.group_restarts)
+        yield from (state, shard, units, group)
+        yield self.probe_seconds.family("llmgw_probe_seconds", "HTTP health probe latency",
+                                        replicas)
+        yield self.completion_seconds.family(
+            "llmgw_generation_check_seconds", "one-token completion latency (the generation "
+            "check)", replicas)
+        peers = set(figures.peers)
+        yield self.peer_failures.family(
+            "llmgw_peer_fetch_failures", "failed fetches of a peer supervisor's reports, by "
+            "kind", ["peer", "kind"], keep=lambda k: k[0] in peers)
+        known = set(replicas)
+        yield self.ignored_reports.family(
+            "llmgw_peer_reports_ignored", "peer reports refused: from a node the rank is not "
+            "assigned to, or unauthenticated", ["replica"], keep=lambda k: k[0] in known)
+        yield GaugeMetricFamily("llmgw_systemd_reachable", "1 when systemd answers over D-Bus",
+                                value=1.0 if figures.systemd_reachable else 0.0)
+        yield self.dbus_reads.family("llmgw_dbus_reads", "bulk reads of unit state from "
+                                     "systemd (signals trigger them; a read must never cause "
+                                     "one)", [])
+        stats = sorted(self.http_stats().items())
+        connections = GaugeMetricFamily("llmgw_http_connections", "open API connections",
+                                        labels=["listener"])
+        events = CounterMetricFamily("llmgw_http_events", "HTTP server events by listener",
+                                     labels=["listener", "event"])
+        for listener, counts in stats:
+            connections.add_metric([listener], counts.get("open", 0))
+            for event, value in sorted(counts.items()):
+                if event != "open":
+                    events.add_metric([listener, event], value)
+        yield connections
+        yield events
 
     def render(self) -> tuple[bytes, str]:
-        for listener, stats in self.http_stats().items():
-            self.http_open.labels(listener).set(stats.get("open", 0))
         return bytes(generate_latest(self.registry)), self.content_type
-
-
-def _label_sets(metric: Gauge | Counter | Histogram) -> list[tuple[str, ...]]:
-    # prometheus_client keeps its children by label values; no public listing exists
-    with metric._lock:
-        return [tuple(labels) for labels in metric._metrics]

@@ -1,0 +1,66 @@
+"""The supervisor's metrics (supervisor/http/metrics.py): built per scrape from the last
+published judgement, so what is exported is exactly what that judgement holds."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmgw_systemd.supervisor.http.metrics import Figures, ReplicaFigures, SupervisorMetrics
+
+
+def samples(metrics: SupervisorMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    body, kind = metrics.render()
+    assert kind.startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(  # type: ignore[no-untyped-call]
+                body.decode())
+            for s in family.samples}
+
+
+def figures(*names: str, reachable: bool = True, peers: tuple[str, ...] = ()) -> Figures:
+    return Figures(tuple(ReplicaFigures(n, "ready", 1, 0, "degraded",
+                                        (("llmgw-x-engine.service", 3),)) for n in names),
+                   peers, systemd_reachable=reachable)
+
+
+def test_series_follow_the_last_judgement() -> None:
+    current = [figures("a", "b", peers=("n2",))]
+    metrics = SupervisorMetrics(lambda: current[0], lambda: {"api": {"open": 2, "evicted": 5}})
+    metrics.probe_seconds.observe("a", 0.003)
+    metrics.probe_seconds.observe("a", 3.0)
+    metrics.peer_failures.inc("n2", "timeout")
+    metrics.peer_failures.inc("n3", "connect")  # a peer the judgement does not fetch from
+    metrics.ignored_reports.inc("b")
+    got = samples(metrics)
+    assert got[("llmgw_replica_state", (("replica", "a"), ("state", "ready")))] == 1
+    assert got[("llmgw_replica_state", (("replica", "a"), ("state", "failed")))] == 0
+    assert got[("llmgw_shard_state", (("rank", "0"), ("replica", "b"),
+                                      ("state", "degraded")))] == 1
+    assert got[("llmgw_unit_restarts", (("replica", "a"),
+                                        ("unit", "llmgw-x-engine.service")))] == 3
+    assert got[("llmgw_group_restarts", (("replica", "b"),))] == 1
+    assert got[("llmgw_probe_seconds_count", (("replica", "a"),))] == 2
+    assert got[("llmgw_probe_seconds_bucket", (("le", "0.005"), ("replica", "a")))] == 1
+    assert got[("llmgw_probe_seconds_bucket", (("le", "+Inf"), ("replica", "a")))] == 2
+    assert got[("llmgw_probe_seconds_sum", (("replica", "a"),))] == 3.003
+    assert got[("llmgw_peer_fetch_failures_total", (("kind", "timeout"), ("peer", "n2")))] == 1
+    assert ("llmgw_peer_fetch_failures_total", (("kind", "connect"), ("peer", "n3"))) not in got
+    assert got[("llmgw_peer_reports_ignored_total", (("replica", "b"),))] == 1
+    assert got[("llmgw_systemd_reachable", ())] == 1
+    assert got[("llmgw_dbus_reads_total", ())] == 0
+    assert got[("llmgw_http_connections", (("listener", "api"),))] == 2
+    assert got[("llmgw_http_events_total", (("event", "evicted"), ("listener", "api")))] == 5
+
+    # replica a leaves the spec, b stays; systemd goes away
+    current[0] = figures("b", reachable=False)
+    metrics.dbus_reads.inc()
+    got = samples(metrics)
+    assert not [k for k in got if ("replica", "a") in k[1]], "a series of a departed replica"
+    assert got[("llmgw_replica_state", (("replica", "b"), ("state", "ready")))] == 1
+    assert got[("llmgw_systemd_reachable", ())] == 0
+    assert got[("llmgw_dbus_reads_total", ())] == 1
+    assert not [k for k in got if k[0].startswith("llmgw_peer_fetch")], "a departed peer"
+    # and comes back: it starts from nothing, not from its old observations
+    current[0] = figures("a", "b")
+    got = samples(metrics)
+    assert ("llmgw_probe_seconds_count", (("replica", "a"),)) not in got
