@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from debianroot import base_root, chroot_mounts, ok, overlay, sh
 from test_packages import (  # noqa: F401 - packages builds them
     DEB,
     DEB_GENERATOR_LINKS,
@@ -21,64 +21,15 @@ from test_packages import (  # noqa: F401 - packages builds them
 
 pytestmark = pytest.mark.packaging
 
-CACHE = Path("/var/cache/llmgw-test")
-BASE = CACHE / "bookworm"
-MIRROR = "http://deb.debian.org/debian"
-ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
-       "DEBIAN_FRONTEND": "noninteractive"}
 EXAMPLE = "/usr/share/doc/llmgw-systemd/examples/replicas.yaml"
 
 
-def sh(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False,
-                          env=ENV)
-
-
-def ok(*argv: str, timeout: float = 900) -> str:
-    proc = sh(*argv, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(argv)}:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
-
-
-@pytest.fixture(scope="module")
-def base_root() -> Path:
-    """A minimal Debian 12, made once per machine (about 30 s) and reused."""
-    if not (BASE / "etc" / "debian_version").exists():
-        partial = CACHE / "bookworm.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        ok("debootstrap", "--variant=minbase", "bookworm", str(partial), MIRROR)
-        partial.rename(BASE)
-    return BASE
-
-
 @pytest.fixture
-def root(base_root: Path, tmp_path: Path) -> Iterator[Path]:
-    """A throw-away copy of the base (an overlay), with /proc and /dev, and apt's
-    downloads and lists kept in the cache between runs."""
-    merged, upper, work = tmp_path / "root", tmp_path / "upper", tmp_path / "work"
-    for d in (merged, upper, work):
-        d.mkdir()
-    mounts: list[Path] = []
-    try:
-        ok("mount", "-t", "overlay", "overlay", "-o",
-           f"lowerdir={base_root},upperdir={upper},workdir={work}", str(merged))
-        mounts.append(merged)
-        for sub, kind in (("proc", ["-t", "proc", "proc"]), ("dev", ["--bind", "/dev"])):
-            ok("mount", *kind, str(merged / sub))
-            mounts.append(merged / sub)
-        for keep in ("var/cache/apt/archives", "var/lib/apt/lists"):
-            cached = CACHE / "apt" / keep.replace("/", "-")
-            (cached / "partial").mkdir(parents=True, exist_ok=True)
-            ok("mount", "--bind", str(cached), str(merged / keep))
-            mounts.append(merged / keep)
-        shutil.copy("/etc/resolv.conf", merged / "etc" / "resolv.conf")
+def root(tmp_path: Path) -> Iterator[Path]:
+    """A throw-away copy (an overlay) of the cached minimal Debian 12, with /proc, /dev
+    and apt's downloads and lists kept in the cache between runs."""
+    with overlay(base_root(), tmp_path) as (merged, _), chroot_mounts(merged):
         yield merged
-    finally:
-        for mount in reversed(mounts):
-            sh("umount", str(mount))
-        leftover = [m for m in mounts if str(m) in Path("/proc/mounts").read_text()]
-        assert not leftover, f"still mounted: {leftover}"
 
 
 def chroot(root: Path, *argv: str, timeout: float = 900) -> str:
