@@ -97,6 +97,7 @@ class RestartUnit:
     name: str
     description: str
     target: str
+    members: tuple[str, ...]  # ordered after: it waits for a member's stop to finish
     sleep_argv: tuple[str, ...]
 
 
@@ -207,7 +208,8 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
         restart=RestartUnit(
             name=restarter,
             description=f"llmgw {replica.name} {place}: restart after members died together",
-            target=target, sleep_argv=(SLEEP, str(replica.restart.delay)),
+            target=target, members=tuple(names),
+            sleep_argv=(SLEEP, str(replica.restart.delay)),
         ),
     )
 

@@ -241,14 +241,17 @@ def test_an_engine_that_exits_cleanly_on_its_own_still_brings_the_shard_back(
         assert not pid_alive(daemon_pid), "the old head's daemonized child survived"
 
 
-@pytest.mark.parametrize("how", ["engine killed", "engine exits cleanly"])
+@pytest.mark.parametrize("how", ["engine killed", "engine exits cleanly",
+                                 "engine with an ExecStop= exits cleanly"])
 def test_a_sidecar_stop_longer_than_the_restart_delay_still_brings_the_shard_back(
         one_node: UserManager, tmp_path: Path, how: str) -> None:
     """The engine dies; BindsTo= stops the head, which takes 5 s to exit, past the 1 s
     restart delay. Whatever starts the shard again (the engine's Restart=, or the
     restart unit's OnSuccess= with JobMode=fail) meets the head's stop still running:
-    the shard must come back all the same, not stay down with its target active
-    (docs/engines.md, the Ray head's open question)."""
+    the shard must come back all the same, not stay down with its target active.
+    A vLLM engine has an ExecStop= (llmgw-stop-group), and then a clean exit fires no
+    Restart= at all: only the restart unit brings the shard back, and it must wait for
+    the head's stop to end (docs/design.md §3; found on a booted node with Ray)."""
     shard = Shard.__new__(Shard)
     shard.manager, shard.http, shard.head = one_node, free_port(), free_port()
     shard.pid_file = tmp_path / "head.pids"
@@ -256,6 +259,11 @@ def test_a_sidecar_stop_longer_than_the_restart_delay_still_brings_the_shard_bac
                                 head=shard.head, pid_file=shard.pid_file, delay=1,
                                 burst=10, interval=600, head_slow_stop=5)
     one_node.render(shard.spec, "node")
+    if "ExecStop" in how:  # the vLLM units' shape, through a drop-in as an admin would
+        dropin = one_node.unit_dir / f"{ENGINE}.d"
+        dropin.mkdir()
+        (dropin / "stop.conf").write_text("[Service]\nExecStop=/bin/true\n")
+        one_node.systemctl("daemon-reload")
     shard.start()
     for _ in range(2):
         old_head, daemon_pid = shard.pids()
