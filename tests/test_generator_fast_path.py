@@ -28,6 +28,43 @@ def test_log_target(scope: str, stream: str | None, stderr: tuple[int, int] | No
     assert g.log_target(scope, stream, stderr, tty) == target
 
 
+@pytest.mark.parametrize(("scope", "stream", "kmsg", "socket", "target"), [
+    # a container: its /dev/kmsg leads nowhere
+    ("system", None, False, True, "journal-socket"),  # daemon-reload: journald listens
+    ("system", None, False, False, "deferred"),       # boot: no journald yet
+    ("system", "8:42", False, False, "journal"),      # stderr is the journal after all
+    ("user", None, False, True, "stderr"),            # a user manager's own stderr
+    ("system", None, True, True, "kmsg"),             # a host: journald reads kmsg
+])
+def test_log_target_in_a_container(scope: str, stream: str | None, kmsg: bool, socket: bool,
+                                   target: str) -> None:
+    assert g.log_target(scope, stream, (8, 42), False, kmsg_is_kernel=kmsg,
+                        journal_socket=socket) == target
+
+
+@pytest.mark.parametrize(("virtualization", "device", "kernel"), [
+    ("", (1, 11), True), ("vm:kvm", (1, 11), True), ("", (0, 0), True),  # a stand-in file
+    ("container:systemd-nspawn", (1, 11), False), ("", (1, 3), False), ("", None, False),
+])
+def test_kmsg_is_kernel(virtualization: str, device: tuple[int, int] | None,
+                        kernel: bool) -> None:
+    assert g.kmsg_is_kernel(virtualization, device) is kernel
+
+
+def test_journal_socket_datagrams_are_one_field_each() -> None:
+    lines = g.log_lines("journal-socket", ((g.ERROR, "/etc/x\ny.yaml:2: bad"),), "prog")
+    assert lines == ("PRIORITY=3\nSYSLOG_IDENTIFIER=prog\nMESSAGE=prog: /etc/x\\x0ay.yaml:2: "
+                     "bad\n",)
+
+
+def test_the_messages_unit_prints_the_deferred_file_under_the_generators_name() -> None:
+    name, text = g.messages_unit("prog", "# header")
+    assert name == g.MESSAGES_UNIT and not name.endswith(".target")
+    assert f"ExecStart=/usr/bin/cat {g.MESSAGES_FILE}\n" in text
+    assert "SyslogIdentifier=prog\n" in text and text.startswith("# header\n[Unit]\n")
+    assert g.log_lines("deferred", ((g.ERROR, "bad"),), "prog") == ("<3>prog: bad",)
+
+
 @pytest.mark.parametrize(("target", "lines"), [
     ("stderr", ("prog: error: bad", "prog: notice: fyi")),
     ("journal", ("<3>prog: bad", "<5>prog: fyi")),

@@ -194,7 +194,7 @@ def test_the_generators_fast_path_imports_only_what_it_must() -> None:
             top.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
             top.update(f"{node.module}.{alias.name}" for alias in node.names)
-    assert top == {"marshal", "os", "sys", "llmgw_systemd.__version__",
+    assert top == {"marshal", "os", "stat", "sys", "llmgw_systemd.__version__",
                    "llmgw_systemd.generator.fast_path", "llmgw_systemd.spec.names.is_node_name",
                    "llmgw_systemd.spec.names.is_spec_file"}, top
     assert imports("generator.fast_path") == {"llmgw_systemd.spec.names"}

@@ -31,6 +31,11 @@ SYSTEM, USER = "system", "user"
 # were: the kernel drops a writer's lines beyond a burst of 10 (printk_devkmsg=ratelimit).
 KMSG_MAX_LINES = 8
 KMSG_MAX_BYTES = 900  # one kmsg record holds a little under 1 KiB of text
+NULL_DEVICE = (1, 3)  # /dev/null: major, minor
+# Deferred messages (a container's boot): the file, and the unit that prints it into the
+# journal. Its name cannot be a replica's: those are llmgw-R.target and llmgw-R-X.service.
+MESSAGES_FILE = "/run/llmgw-systemd/generator-messages"
+MESSAGES_UNIT = "llmgw-systemd-generator.service"
 
 
 def config_home(env: Mapping[str, str], home: str) -> str:
@@ -109,18 +114,34 @@ def wants_links(output: Output) -> tuple[tuple[str, str], ...]:
 
 
 def log_target(scope: str, journal_stream: str | None, stderr_id: tuple[int, int] | None,
-               stderr_is_tty: bool) -> str:
+               stderr_is_tty: bool, *, kmsg_is_kernel: bool = True,
+               journal_socket: bool = False) -> str:
     """Where messages go: 'journal' (stderr is the journal's stream, so it reads a
     priority prefix), 'kmsg' (a system generator whose stderr is not the journal: at
-    early boot no journal runs yet), else 'stderr' (a terminal, a test, a user manager).
-    systemd's own generators choose the same way (log_setup_generator())."""
+    early boot no journal runs yet, and journald reads the kernel's log later), else
+    'stderr' (a terminal, a test, a user manager). systemd's own generators choose the
+    same way (log_setup_generator()). In a container /dev/kmsg leads nowhere (no journald
+    reads the kernel's log there; docs/generator.md): then 'journal-socket' when journald
+    already listens (a daemon-reload), else 'deferred' (at boot: the messages wait in a
+    file that a generated unit prints into the journal once it runs)."""
     if journal_stream and stderr_id is not None:
         device, _, inode = journal_stream.partition(":")
         if device.isdigit() and inode.isdigit() and (int(device), int(inode)) == stderr_id:
             return "journal"
     if scope == SYSTEM and not stderr_is_tty:
-        return "kmsg"
+        if kmsg_is_kernel:
+            return "kmsg"
+        return "journal-socket" if journal_socket else "deferred"
     return "stderr"
+
+
+def kmsg_is_kernel(virtualization: str, device: tuple[int, int] | None) -> bool:
+    """Whether writing /dev/kmsg can reach a journal: never in a container (systemd tells
+    generators so in $SYSTEMD_VIRTUALIZATION, since 251), nor when it is missing or
+    /dev/null (device None, NULL_DEVICE); device: its (major, minor) when it is a
+    character device, (0, 0) for anything else that takes writes."""
+    return (not virtualization.startswith("container")
+            and device is not None and device != NULL_DEVICE)
 
 
 def log_lines(target: str, messages: tuple[Message, ...], prog: str) -> tuple[str, ...]:
@@ -134,9 +155,30 @@ def log_lines(target: str, messages: tuple[Message, ...], prog: str) -> tuple[st
                      f"<3>{prog}: and {more} more; run '{prog} /tmp/llmgw-out' in a "
                      "terminal to see them all"]
         return tuple(lines)
-    if target == "journal":
+    if target in ("journal", "deferred"):
         return tuple(f"<{priority[level]}>{prog}: {text}" for level, text in messages)
+    if target == "journal-socket":  # journald's native protocol: one datagram each
+        return tuple(f"PRIORITY={priority[level]}\nSYSLOG_IDENTIFIER={prog}\n"
+                     f"MESSAGE={prog}: {_one_line(text)}\n" for level, text in messages)
     return tuple(f"{prog}: {level}: {text}" for level, text in messages)
+
+
+def _one_line(text: str) -> str:
+    # a field of the native protocol ends at a newline (a file name may hold one)
+    return "".join(c if c >= " " else f"\\x{ord(c):02x}" for c in text)
+
+
+def messages_unit(prog: str, header: str) -> tuple[str, str]:
+    """(file name, text) of the unit that prints deferred messages into the journal at
+    boot, under the generator's own name: `journalctl -b -t llmgw-systemd-generator`."""
+    return MESSAGES_UNIT, (
+        f"{header}\n[Unit]\n"
+        f"Description={prog}: what it said about the specs at boot\n"
+        f"Documentation=man:{prog}(8)\n"
+        f"ConditionPathExists={MESSAGES_FILE}\n\n"
+        "[Service]\nType=oneshot\n"
+        f"ExecStart=/usr/bin/cat {MESSAGES_FILE}\n"
+        f"SyslogIdentifier={prog}\n")
 
 
 def _clip(text: str) -> str:

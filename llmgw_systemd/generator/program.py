@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import marshal
 import os
+import stat  # os has imported it already: free on the fast path
 import sys
 
 from llmgw_systemd import __version__
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 PROG = "llmgw-systemd-generator"
 WAIT_FOR_PORT = "llmgw-wait-for-port"
 KMSG = "/dev/kmsg"
+JOURNAL_SOCKET = "/run/systemd/journal/socket"  # journald's native protocol
 # Bump when the cache's layout changes; the key also holds this installation's files'
 # identities and the interpreter's version (marshal's format can change with it).
 CACHE_FORMAT = 1
@@ -52,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = os.environ
     scope = g.USER if env.get("SYSTEMD_SCOPE") == g.USER else g.SYSTEM
     messages, status = run(args[0], scope, env)
-    emit(messages, scope, env)
+    emit(messages, scope, env, args[0])
     return status
 
 
@@ -267,7 +269,10 @@ def write_output(normal: str, output: Output) -> None:
         os.symlink(f"../{target}", link)
 
 
-def emit(messages: tuple[g.Message, ...], scope: str, env: Mapping[str, str]) -> None:
+def emit(messages: tuple[g.Message, ...], scope: str, env: Mapping[str, str],
+         normal: str) -> None:
+    if scope == g.SYSTEM:
+        _unlink_quietly(g.MESSAGES_FILE)  # what an earlier run deferred is said already
     if not messages:
         return
     try:
@@ -276,8 +281,22 @@ def emit(messages: tuple[g.Message, ...], scope: str, env: Mapping[str, str]) ->
         tty = os.isatty(2)
     except OSError:
         stderr_id, tty = None, False
-    target = g.log_target(scope, env.get("JOURNAL_STREAM"), stderr_id, tty)
+    try:
+        kmsg = os.stat(KMSG)
+        device: tuple[int, int] | None = (
+            (os.major(kmsg.st_rdev), os.minor(kmsg.st_rdev))
+            if stat.S_ISCHR(kmsg.st_mode) else (0, 0))
+    except OSError:
+        device = None
+    target = g.log_target(scope, env.get("JOURNAL_STREAM"), stderr_id, tty,
+                          kmsg_is_kernel=g.kmsg_is_kernel(
+                              env.get("SYSTEMD_VIRTUALIZATION", ""), device),
+                          journal_socket=os.path.exists(JOURNAL_SOCKET))
     lines = g.log_lines(target, messages, PROG)
+    if target == "journal-socket" and _to_journal(lines):
+        return
+    if target == "deferred" and _defer(lines, normal):
+        return
     if target == "kmsg":
         try:
             fd = os.open(KMSG, os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC)
@@ -296,6 +315,48 @@ def emit(messages: tuple[g.Message, ...], scope: str, env: Mapping[str, str]) ->
         sys.stderr.write("".join(f"{line}\n" for line in lines))
         sys.stderr.flush()
     except (OSError, ValueError):
+        pass
+
+
+def _to_journal(datagrams: tuple[str, ...]) -> bool:
+    """Each message to journald's native socket; False if it could not be reached."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            for datagram in datagrams:
+                sock.sendto(datagram.encode("utf-8", "replace"), JOURNAL_SOCKET)
+    except OSError:
+        return False
+    return True
+
+
+def _defer(lines: tuple[str, ...], normal: str) -> bool:
+    """The messages into a file on /run, and a unit in the generator's output that prints
+    it into the journal once journald runs (a container's boot: nothing reads its
+    /dev/kmsg). False if either could not be written."""
+    from llmgw_systemd.units.header import BY_GENERATOR, MARKER
+
+    name, text = g.messages_unit(PROG, f"{MARKER}\n{BY_GENERATOR}")
+    try:
+        folder = os.path.dirname(g.MESSAGES_FILE)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        fd = os.open(g.MESSAGES_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as f:
+            f.write("".join(f"{line}\n" for line in lines))
+        write_output(normal, ((("messages", name, "multi-user.target", True,
+                                ((name, text),)),), ()))
+    except OSError:
+        return False
+    return True
+
+
+def _unlink_quietly(path: str) -> None:
+    # not contextlib.suppress: this runs on the fast path, which imports nothing more
+    try:  # noqa: SIM105
+        os.unlink(path)
+    except OSError:
         pass
 
 
