@@ -640,6 +640,22 @@ def test_tls_untrusted_certificate(serve: Callable[..., Server],
     assert "certificate verify failed" in str(error)
 
 
+def test_a_tls_peer_that_hangs_up_unanswered_is_said_to_refuse_our_certificate(
+        serve: Callable[..., Server], tls_files: tuple[Path, Path, bytes]) -> None:
+    """With TLS 1.3 a server checks the client's certificate after the client's handshake
+    is done: one that refuses it hangs up before answering (seen between two booted
+    nodes of different CAs). The error says so; over plain HTTP it would not."""
+    hang_up: Handler = lambda conn, request, stopping: None  # noqa: E731
+    server = serve(hang_up, tls=server_context(tls_files))
+    error = expect_error(lambda: fetch(server, ssl_context=client_context(tls_files),
+                                       server_hostname="peer.test"), "closed", 5.0)
+    assert "right after the TLS handshake: it does not accept this node's certificate" \
+        in str(error)
+    plain = serve(hang_up)
+    error = expect_error(lambda: fetch(plain), "closed", 5.0)
+    assert "certificate" not in str(error)
+
+
 def test_tls_to_a_plain_http_server(serve: Callable[..., Server],
                                     tls_files: tuple[Path, Path, bytes]) -> None:
     server = serve(answer(), read_request=False)

@@ -49,6 +49,7 @@ MAX_GENERATION = 64
 MAX_HEADER_BYTES = 16 * 1024  # status line plus headers; a real peer sends a few hundred
 RECV_SIZE = 64 * 1024
 READING = "reading the body"
+WAITING = "waiting for the status and headers"
 GENERATION_RE = re.compile(r"[0-9a-f]*\Z")
 
 T = TypeVar("T")
@@ -230,7 +231,7 @@ class _Fetch:
         request = (request or b"") + (conn.send(h11.EndOfMessage()) or b"")
         self.phase = "sending the request"
         self.io(sock, lambda: sock.sendall(request))
-        self.phase = "waiting for the status and headers"
+        self.phase = WAITING
         body = bytearray()
         closed = False
         while True:
@@ -238,7 +239,8 @@ class _Fetch:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
                 if closed:
-                    got = f" ({len(body)} body bytes received)" if self.phase == READING else ""
+                    got = (f" ({len(body)} body bytes received)" if self.phase == READING
+                           else self.refusal_hint(sock))
                     raise PeerError("closed", f"{self.where} closed the connection while "
                                     f"{self.phase}{got}") from None
                 raise PeerError("malformed", f"{self.where}: not a valid HTTP answer: "
@@ -261,7 +263,16 @@ class _Fetch:
                 return bytes(body)
             else:  # ConnectionClosed before a response, or PAUSED (never for a client)
                 raise PeerError("closed", f"{self.where} closed the connection while "
-                                f"{self.phase}")
+                                f"{self.phase}{self.refusal_hint(sock)}")
+
+    def refusal_hint(self, sock: socket.socket) -> str:
+        """Why a TLS peer closes before any answer, most likely: with TLS 1.3 the client's
+        handshake ends before the server has checked the client's certificate, so a
+        server that refuses it shows here, as a closed connection."""
+        if not isinstance(sock, ssl.SSLSocket) or self.phase != WAITING:
+            return ""
+        return (" right after the TLS handshake: it does not accept this node's certificate "
+                "(another CA?), or it restarted")
 
     def io(self, sock: socket.socket, operation: Callable[[], T]) -> T:
         """One socket operation, waiting at most what is left of the budget: a peer that
