@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 import shutil
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -134,3 +136,28 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> Path:
         os.fchmod(f.fileno(), 0o600)  # an existing file keeps its mode through O_CREAT
         f.write(data)
     return path
+
+
+# -- the openssl recipe in docs/tls.md, run as an operator would -------------------------
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "tls.md"
+RECIPE_MARKER = "<!-- recipe: tls -->"
+
+
+def recipe() -> str:
+    text = DOC.read_text()
+    assert text.count(RECIPE_MARKER) == 1, f"{DOC}: want exactly one {RECIPE_MARKER}"
+    block = re.match(r"\s*```sh\n(.*?)^```", text.split(RECIPE_MARKER, 1)[1], re.S | re.M)
+    assert block, f"{DOC}: no ```sh block right after {RECIPE_MARKER}"
+    return block.group(1)
+
+
+def run_recipe(workdir: Path, out: Path, name: str, address: str,
+               interpreter: str = "bash") -> None:
+    script = workdir / "recipe.sh"
+    script.write_text(recipe())
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workdir),
+           "NODE_NAME": name, "NODE_ADDR": address, "DIR": str(out)}
+    proc = subprocess.run([interpreter, str(script)], cwd=workdir, env=env, capture_output=True,
+                          text=True, timeout=30, check=False, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"recipe for {name} failed:\n{proc.stdout}{proc.stderr}"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from certs import cluster, make_ca, make_node_cert
+from certs import DOC, cluster, make_ca, make_node_cert, run_recipe
 
 from llmgw_systemd.errors import LlmgwError, TlsError
 from llmgw_systemd.supervisor.tls import (
@@ -34,8 +34,6 @@ from llmgw_systemd.supervisor.tls import (
     server_context,
 )
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "tls.md"
-RECIPE_MARKER = "<!-- recipe: tls -->"
 TIMEOUT = 5.0
 A, B = ("gpu-a", "127.0.0.1"), ("gpu-b", "127.0.0.2")  # server A, client B
 OK = b"ok"
@@ -375,25 +373,6 @@ def test_helper_writes_keys_owner_only(pki: Pki) -> None:
 
 
 # -- the recipe in docs/tls.md ------------------------------------------------------------
-
-
-def recipe() -> str:
-    text = DOC.read_text()
-    assert text.count(RECIPE_MARKER) == 1, f"{DOC}: want exactly one {RECIPE_MARKER}"
-    block = re.match(r"\s*```sh\n(.*?)^```", text.split(RECIPE_MARKER, 1)[1], re.S | re.M)
-    assert block, f"{DOC}: no ```sh block right after {RECIPE_MARKER}"
-    return block.group(1)
-
-
-def run_recipe(workdir: Path, out: Path, name: str, address: str,
-               interpreter: str = "bash") -> None:
-    script = workdir / "recipe.sh"
-    script.write_text(recipe())
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workdir),
-           "NODE_NAME": name, "NODE_ADDR": address, "DIR": str(out)}
-    proc = subprocess.run([interpreter, str(script)], cwd=workdir, env=env, capture_output=True,
-                          text=True, timeout=30, check=False, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, f"recipe for {name} failed:\n{proc.stdout}{proc.stderr}"
 
 
 def subject_alt_name(cert: Path) -> str:
