@@ -68,6 +68,9 @@ def test_generator_is_the_launcher_over_the_console_script() -> None:
                                  str(BIN_DIR / "python3"))
     assert sitedirs[0] == own, sitedirs
     assert all(d.endswith("-packages") for d in sitedirs) and own not in sitedirs[1:], sitedirs
+    waiter = Path(BIN_DIR / "llmgw-wait-for-port").read_text(encoding="utf-8")
+    assert launcher_sitedirs(waiter, str(BIN_DIR / "python3"),
+                             "wait-for-port-launcher.in") == sitedirs
 
 
 def test_supervisor_unit_passes_systemd_analyze(tmp_path: Path) -> None:

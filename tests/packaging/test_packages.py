@@ -77,12 +77,14 @@ def link_target(link: str, target: str) -> str:
     return os.path.normpath(os.path.join(os.path.dirname(link), target))
 
 
-def launcher_sitedirs(text: str, python: str) -> list[str]:
-    """The package directories a generator launcher names, after checking that it is
-    packaging/generator-launcher.in with python in its shebang and nothing else changed."""
+def launcher_sitedirs(text: str, python: str, template_name: str = "generator-launcher.in"
+                      ) -> list[str]:
+    """The package directories a launcher names, after checking that it is its template
+    (packaging/generator-launcher.in by default) with python in its shebang and nothing
+    else changed."""
     lines = text.splitlines()
     assert lines and lines[0] == f"#!{python} -IS", lines[:1]
-    template = (ROOT / "packaging" / "generator-launcher.in").read_text().splitlines()
+    template = (ROOT / "packaging" / template_name).read_text().splitlines()
     assert len(lines) == len(template), lines
     sitedirs: list[str] = []
     for line, want in zip(lines, template):  # the template, its placeholders filled in
@@ -106,6 +108,10 @@ def check_generator(root: Path, links: tuple[str, ...], sitedirs: list[str]) -> 
     text = launcher.read_text(encoding="utf-8")
     assert text.splitlines()[0] == LAUNCHER_SHEBANG
     assert launcher_sitedirs(text, "/usr/bin/python3") == sitedirs
+    # llmgw-wait-for-port is a launcher too, exiting 0 on SIGTERM from its first line
+    waiter = (root / "usr/bin/llmgw-wait-for-port").read_text(encoding="utf-8")
+    assert launcher_sitedirs(waiter, "/usr/bin/python3", "wait-for-port-launcher.in") == \
+        sitedirs
     for link in links:
         path = root / link.lstrip("/")
         assert path.is_symlink(), link
