@@ -44,7 +44,7 @@ SPEC = f"""replicas:
     virtualenv: {ENGINE_VENV}
     port: 8000
     env: {{HF_HUB_OFFLINE: "1", TRANSFORMERS_OFFLINE: "1", VLLM_CPU_KVCACHE_SPACE: "1"}}
-    args: [--max-model-len, "256", --enforce-eager, --dtype, bfloat16]
+    args: [--max-model-len, "256", --enforce-eager, --dtype, float32]
     nodes: [{{name: node-a, address: 198.51.100.1}}]
 """
 HEALTH = "http://127.0.0.1:8000/health"

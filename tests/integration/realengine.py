@@ -18,7 +18,7 @@ MODEL = CACHE / "tiny-llama-v1"
 VLLM_VERSION = "0.32.0"
 # Offline, a small KV cache, and the model's own limits (docs/engines.md).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-ENGINE_ARGS = '[--max-model-len, "256", --enforce-eager, --dtype, bfloat16]'
+ENGINE_ARGS = '[--max-model-len, "256", --enforce-eager, --dtype, float32]'
 
 # Runs inside a node's namespace: one completion; prints the HTTP status (0: no answer).
 _COMPLETE = """\

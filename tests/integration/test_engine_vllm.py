@@ -40,7 +40,7 @@ replicas:
     port: {port}
     virtualenv: {VENV}
     env: {{{env}}}
-    args: [--max-model-len, "256", --enforce-eager, --dtype, bfloat16]
+    args: [--max-model-len, "256", --enforce-eager, --dtype, float32]
     restart: {{delay: 2, burst: 3, interval: 600}}
     nodes: [{{name: node, address: 127.0.0.1}}]
 """
