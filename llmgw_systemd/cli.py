@@ -137,6 +137,9 @@ def render_command(specs: tuple[str, ...], node: str | None, output: str | None,
             raise UsageError("--node", f"{exc}; pass --node NAME, or --allow-empty to remove "
                              "this node's units") from None
         rendered = render_shards(plans)
+        for plan in plans:
+            for note in plan.notes:
+                click.echo(f"note: {note}", err=True)
         if apply_:
             _check_apply_target(directory, user_manager)
             _render_and_apply(directory, rendered, plans, user_manager, dry_run=dry_run,

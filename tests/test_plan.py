@@ -121,3 +121,26 @@ def test_vllm_is_stopped_by_the_group_helper_within_the_stop_timeout(
     got = {s.name.removeprefix("llmgw-r-").removesuffix(".service"): s.exec_stop
            for s in plan.services}
     assert got == stopped_by_helper
+
+
+ONE_NODE = "nodes: [{name: a, address: 10.0.0.1}]"
+
+
+@pytest.mark.parametrize(("body", "manager", "notes"), [
+    (f"engine: vllm\nmodel: /m\n{ONE_NODE}", SYSTEM, ()),
+    (f"engine: vllm\nmodel: /m\nuser: llmgw\n{ONE_NODE}", SYSTEM, ()),
+    (f"engine: vllm\nmodel: /m\nuser: root\n{ONE_NODE}", SYSTEM, ("runs as root",)),
+    (f"engine: vllm\nmodel: /m\nuser: '0'\n{ONE_NODE}", SYSTEM, ("runs as root",)),
+    (f"engine: vllm\nmodel: /m\nhardening: off\n{ONE_NODE}", SYSTEM, ("without its sandbox",)),
+    (f"engine: vllm\nmodel: /m\nuser: root\nhardening: false\n{ONE_NODE}", SYSTEM,
+     ("runs as root", "without its sandbox")),
+    # a user manager runs as its own user, unsandboxed: nothing to say
+    (f"engine: vllm\nmodel: /m\nuser: root\nhardening: off\n{ONE_NODE}", USER, ()),
+])
+def test_the_planner_says_when_a_replica_runs_as_root_or_unsandboxed(
+        body: str, manager: Manager, notes: tuple[str, ...]) -> None:
+    plan = plan_shard(replica(body), 0, manager)
+    assert len(plan.notes) == len(notes) and all(
+        want in note for want, note in zip(notes, plan.notes)), plan.notes
+    sandboxed = all(s.sandbox for s in plan.services)
+    assert sandboxed == (manager is SYSTEM and "hardening" not in body)

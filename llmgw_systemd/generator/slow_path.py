@@ -50,6 +50,7 @@ def generate(contents: Sequence[tuple[str, bytes | None]], node: str, manager: M
             messages.append((ERROR, f"{plan.source}: replica {plan.replica}: {exc} "
                              "(replica skipped)"))
             continue
+        messages.extend((NOTICE, f"{plan.source}: {note}") for note in plan.notes)
         replicas.append((plan.replica, plan.target.name, plan.target.wanted_by, plan.enable,
                          tuple(sorted(units.items()))))
     return tuple(replicas), tuple(messages)

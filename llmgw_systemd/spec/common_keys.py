@@ -32,7 +32,7 @@ from llmgw_systemd.spec.policies import (
     read_health,
     read_restart,
 )
-from llmgw_systemd.spec.reader import Reader, kind
+from llmgw_systemd.spec.reader import Reader, did_you_mean, kind
 
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,30}\$?\Z|[0-9]{1,10}\Z")
@@ -174,9 +174,91 @@ STOP_TIMEOUT = Key("stop_timeout", seconds(1, 86400), DEFAULT_STOP_TIMEOUT,
                    "after about 10 s; a worker orphaned by a killed rank ignores SIGTERM and "
                    "waits for this. Must exceed vLLM's `--shutdown-timeout` (its drain) by "
                    "10 s.")
-USER: Key[str | None] = Key(
-    "user", matching(USER_RE, "a user name ([a-z_][a-z0-9_-]*) or numeric UID"), None,
-    "`User=` of every unit", shown="root")
+# The service account both packages create (packaging/sysusers); root only when said.
+SERVICE_ACCOUNT = "llmgw"
+ROOT_USERS = ("root", "0")
+USER = Key("user", matching(USER_RE, "a user name ([a-z_][a-z0-9_-]*) or numeric UID"),
+           SERVICE_ACCOUNT, "`User=` of every unit: the service account the packages "
+           "create. `root` only when the spec says so, and llmgw-render then says so too: "
+           "a model with `trust_remote_code`, a pickle in a checkpoint or a bug in the "
+           "engine's HTTP server would own the node.")
+GROUP: Key[str | None] = Key(
+    "group", matching(USER_RE, "a group name ([a-z_][a-z0-9_-]*) or numeric GID"), None,
+    "`Group=` of every unit", shown="the user's own")
+
+
+def read_groups(reader: Reader, value: Any, path: KeyPath) -> tuple[str, ...]:
+    items = reader.sequence(value, path, "group names")
+    out = tuple(reader.matching(item, (*path, i), USER_RE, "a group name or numeric GID")
+                for i, item in enumerate(items))
+    for i, name in enumerate(out):
+        if name in out[:i]:
+            raise reader.fail((*path, i), f"group {name} is listed twice")
+    return out
+
+
+NO_GROUPS: tuple[str, ...] = ()
+SUPPLEMENTARY_GROUPS = Key(
+    "supplementary_groups", read_groups, NO_GROUPS, "`SupplementaryGroups=` of every unit: "
+    "GPU nodes often give their device nodes to `video` or `render`")
+
+
+def read_paths(reader: Reader, value: Any, path: KeyPath) -> tuple[str, ...]:
+    items = reader.sequence(value, path, "absolute paths")
+    return tuple(reader.abs_path(item, (*path, i), "a folder the units may write")
+                 for i, item in enumerate(items))
+
+
+READ_WRITE_PATHS = Key(
+    "read_write_paths", read_paths, NO_GROUPS, "folders the units may write beyond their "
+    "own state and cache directories (`ReadWritePaths=`), e.g. a model download folder; "
+    "everything else is read-only to them")
+# Device groups systemd resolves from /proc/devices when a unit starts (DeviceAllow=
+# char-NAME), and nodes: taken from the NVIDIA and RDMA drivers' documentation and from
+# nixpkgs' GPU services; no GPU or HCA here to check them on (docs/hardening.md).
+DEVICE_SETS: dict[str, tuple[str, ...]] = {
+    "nvidia": ("char-nvidiactl", "char-nvidia-frontend", "char-nvidia-uvm",
+               "char-nvidia-caps", "/dev/nvidia-modeset"),
+    "rdma": ("char-infiniband_verbs", "char-infiniband_mad", "/dev/infiniband/rdma_cm"),
+}
+NO_DEVICES = "none"
+
+
+def read_devices(reader: Reader, value: Any, path: KeyPath) -> tuple[str, ...]:
+    """Device sets and /dev paths, or `none` alone."""
+    items = reader.sequence(value, path, "device sets or /dev paths", min_len=1)
+    out: list[str] = []
+    for i, item in enumerate(items):
+        text = reader.string(item, (*path, i), "a device set or a /dev path")
+        if text == NO_DEVICES:
+            if len(items) > 1:
+                raise reader.fail((*path, i), "'none' stands alone: no device at all")
+        elif text.startswith("/"):
+            reader.abs_path(text, (*path, i), "a device node")
+            if not text.startswith("/dev/"):
+                raise reader.fail((*path, i), f"expected a device node under /dev; got "
+                                  f"'{text}'")
+        elif text not in DEVICE_SETS:
+            raise reader.fail((*path, i), f"expected one of {', '.join(DEVICE_SETS)}, none, "
+                              f"or a /dev path; got '{text}'"
+                              f"{did_you_mean(text, tuple(DEVICE_SETS))}")
+        if text in out:
+            raise reader.fail((*path, i), f"'{text}' is listed twice")
+        out.append(text)
+    return tuple(out)
+
+
+DEFAULT_DEVICES: tuple[str, ...] = ("nvidia",)
+DEVICES = Key("devices", read_devices, DEFAULT_DEVICES,
+              "the devices the units may open (`DevicePolicy=closed`, `DeviceAllow=`): "
+              "`nvidia` (the control, UVM and capability devices and every GPU node), "
+              "`rdma` (`/dev/infiniband`), explicit `/dev` paths, or `none` for a CPU-only "
+              "replica; the usual pseudo-devices (`/dev/null`, `/dev/urandom`, ...) always",
+              shown="`[nvidia]`")
+HARDENING = Key("hardening", boolean("whether the units run in their sandbox"), True,
+                "`off`: no sandbox for this replica's units (the service account stays); "
+                "for one option a site must loosen, a drop-in is better "
+                "(`systemctl edit llmgw-R-engine.service`, docs/hardening.md)", shown="`on`")
 RESTART = Key("restart", read_restart, RestartPolicy(),
               "a dead member restarts the shard after `delay` s (at least 1); at most "
               "`burst` starts within `interval` s, then the shard stays failed. `interval` "
@@ -196,5 +278,6 @@ HEALTH = Key("health", read_health, HealthCheck(),
 
 COMMON_KEYS: tuple[Key[Any], ...] = (
     NAME, ENGINE, ENABLE, NODES, RENDEZVOUS_TIMEOUT, PORT_RELEASE_TIMEOUT, GPUS, ENV,
-    ENVIRONMENT_FILE, STOP_TIMEOUT, USER, RESTART, GROUP_RESTART, HEALTH)
+    ENVIRONMENT_FILE, STOP_TIMEOUT, USER, GROUP, SUPPLEMENTARY_GROUPS, READ_WRITE_PATHS,
+    DEVICES, HARDENING, RESTART, GROUP_RESTART, HEALTH)
 COMMON_KEY_NAMES = tuple(k.name for k in COMMON_KEYS)

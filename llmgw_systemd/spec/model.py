@@ -35,7 +35,12 @@ class Replica:
     env: tuple[tuple[str, str], ...]
     environment_file: str | None
     stop_timeout: int
-    user: str | None
+    user: str
+    group: str | None
+    supplementary_groups: tuple[str, ...]
+    read_write_paths: tuple[str, ...]
+    devices: tuple[str, ...]
+    hardening: bool
     restart: RestartPolicy
     health: HealthCheck
     group_restart: GroupRestartPolicy

@@ -22,13 +22,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmgw_systemd.errors import NoShard
-from llmgw_systemd.spec.common_keys import GPUS_VAR, IFNAME_VARS
+from llmgw_systemd.spec.common_keys import (
+    DEVICE_SETS,
+    GPUS_VAR,
+    IFNAME_VARS,
+    NO_DEVICES,
+    ROOT_USERS,
+    SERVICE_ACCOUNT,
+)
 from llmgw_systemd.spec.endpoint import Endpoint
 from llmgw_systemd.spec.engines.base import KillMode, Step
 from llmgw_systemd.spec.model import Replica, Spec
 from llmgw_systemd.spec.policies import RestartPolicy
 
 UNIT_PREFIX = "llmgw-"
+UNIT_DIR_PREFIX = "llmgw"  # StateDirectory=llmgw/R: /var/lib/llmgw/R, /var/cache/llmgw/R
 SLEEP = "/usr/bin/sleep"  # coreutils, at this path on Debian and RHEL alike
 # A start command may run as long as its own wait plus this margin before systemd
 # kills it: TimeoutStartSec= is re-armed for each ExecStartPre=, so each wait carries
@@ -66,7 +74,9 @@ class ServiceUnit:
     # (variable, credential name, file): LoadCredential= the file, the variable names it
     credential_env: tuple[tuple[str, str, str], ...]
     environment_file: str | None
-    user: str | None
+    user: str | None  # None: the manager's own (a user manager)
+    group: str | None
+    supplementary_groups: tuple[str, ...]
     restart: RestartPolicy
     timeout_start_sec: int | None
     timeout_stop_sec: int
@@ -74,7 +84,13 @@ class ServiceUnit:
     success_exit_status: tuple[int | str, ...]
     exec_stop: tuple[str, ...] | None
     notify_status: bool  # a start step reports STATUS= to systemd
-    hardening: bool
+    # Least privilege (docs/hardening.md): the sandbox, with where the units may write
+    sandbox: bool
+    state_directory: str | None  # StateDirectory=, CacheDirectory= (relative to /var/...)
+    cache_directory: str | None
+    read_write_paths: tuple[str, ...]
+    device_allow: tuple[str, ...]  # DeviceAllow= entries, with DevicePolicy=closed
+    joins_namespace_of: str | None  # the shard's first member: one /tmp for all of them
     on_failure: str  # the shard's restart unit
     is_engine: bool  # the last member, whose exit is the shard's
     syslog_identifier: str  # one per rank: journalctl -t llmgw-R-rankK finds the rank
@@ -99,6 +115,7 @@ class RestartUnit:
     target: str
     members: tuple[str, ...]  # ordered after: it waits for a member's stop to finish
     sleep_argv: tuple[str, ...]
+    sandbox: bool  # it only sleeps: locked down completely (system manager)
 
 
 @dataclass(frozen=True)
@@ -115,6 +132,7 @@ class ShardPlan:
     target: TargetUnit
     services: tuple[ServiceUnit, ...]
     restart: RestartUnit
+    notes: tuple[str, ...] = ()  # for the operator: what this plan does that may surprise
 
 
 
@@ -154,8 +172,10 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
     http = replica.http
     serves = http is not None and http.rank == rank
     place = f"rank {rank} of {n} on {node.name}"
-    shared_env = _shared_env(replica)
+    shared_env = _shared_env(replica) + (() if manager.user else cache_env(replica.name))
     own_env = node_env(replica, rank)
+    sandbox = replica.hardening and not manager.user
+    directory = None if manager.user else f"{UNIT_DIR_PREFIX}/{replica.name}"
     system_deps = () if manager.user else ("network-online.target",)
     services = []
     for i, (name, step) in enumerate(zip(names, steps)):
@@ -181,6 +201,8 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             credential_env=() if manager.user else step.credential_env,
             environment_file=replica.environment_file,
             user=None if manager.user else replica.user,
+            group=None if manager.user else replica.group,
+            supplementary_groups=() if manager.user else replica.supplementary_groups,
             restart=replica.restart,
             timeout_start_sec=max(waits) + START_TIMEOUT_MARGIN if waits else None,
             timeout_stop_sec=replica.stop_timeout,
@@ -188,7 +210,14 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             success_exit_status=(*step.clean_exit_statuses, *step.clean_exit_signals),
             exec_stop=_exec_stop(manager, step, replica.stop_timeout),
             notify_status=bool(pre),
-            hardening=not manager.user,
+            sandbox=sandbox,
+            state_directory=directory,
+            cache_directory=directory,
+            read_write_paths=replica.read_write_paths if sandbox else (),
+            device_allow=device_allow(replica.devices) if sandbox else (),
+            # Ray's driver (the server) reaches its raylet over sockets under the head's
+            # temp dir in /tmp: every member sees the first member's private /tmp
+            joins_namespace_of=names[0] if sandbox and i > 0 else None,
             on_failure=restarter,
             is_engine=is_engine,
             syslog_identifier=f"{UNIT_PREFIX}{replica.name}-rank{rank}",
@@ -210,8 +239,45 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             description=f"llmgw {replica.name} {place}: restart after members died together",
             target=target, members=tuple(names),
             sleep_argv=(SLEEP, str(replica.restart.delay)),
+            sandbox=not manager.user,
         ),
+        notes=_notes(replica, manager),
     )
+
+
+def _notes(replica: Replica, manager: Manager) -> tuple[str, ...]:
+    if manager.user:
+        return ()
+    notes = []
+    if replica.user in ROOT_USERS:
+        notes.append(f"replica {replica.name} runs as root (user: {replica.user}): a "
+                     "compromised engine would own the node; the default is the service "
+                     f"account {SERVICE_ACCOUNT}")
+    if not replica.hardening:
+        notes.append(f"replica {replica.name} runs without its sandbox (hardening: off)")
+    return tuple(notes)
+
+
+def cache_env(replica: str) -> tuple[tuple[str, str], ...]:
+    """Where the engines keep what they write: the replica's state directory as HOME,
+    its cache directory for every cache the engines know of (Hugging Face, vLLM, Triton,
+    torch's compiler), so that nothing needs to write elsewhere (docs/hardening.md). The
+    spec's env may point one elsewhere (with read_write_paths)."""
+    state = f"/var/lib/{UNIT_DIR_PREFIX}/{replica}"
+    cache = f"/var/cache/{UNIT_DIR_PREFIX}/{replica}"
+    return (("HOME", state), ("XDG_CACHE_HOME", cache), ("HF_HOME", f"{cache}/huggingface"),
+            ("VLLM_CACHE_ROOT", f"{cache}/vllm"), ("TRITON_CACHE_DIR", f"{cache}/triton"),
+            ("TORCHINDUCTOR_CACHE_DIR", f"{cache}/torchinductor"))
+
+
+def device_allow(devices: tuple[str, ...]) -> tuple[str, ...]:
+    """DeviceAllow= entries for the spec's devices: the sets' groups and nodes, paths."""
+    out: list[str] = []
+    for device in devices:
+        if device == NO_DEVICES:
+            continue
+        out.extend(f"{entry} rw" for entry in DEVICE_SETS.get(device, (device,)))
+    return tuple(out)
 
 
 def _exec_stop(manager: Manager, step: Step, stop_timeout: int) -> tuple[str, ...] | None:

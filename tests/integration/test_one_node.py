@@ -358,3 +358,26 @@ def test_a_user_manager_loads_no_credentials(one_node: UserManager, tmp_path: Pa
     assert seen and seen[0].endswith("/credentials/llmgw-credprobe.service"), seen
     assert seen[1:] == [], f"the user manager loaded a credential: {seen}"
 
+
+def test_a_stop_while_the_restart_unit_sleeps_leaves_nothing_failed(
+        one_node: UserManager, tmp_path: Path) -> None:
+    """The engine dies, the restart unit sleeps its delay, and the operator stops the
+    target meanwhile: every unit ends inactive, the restart unit too (it used to end
+    failed, Result=signal, which every "failed units" alert fires on), and nothing starts
+    again."""
+    shard = Shard(one_node, tmp_path, delay=8, burst=10, interval=900)
+    shard.start()
+    one_node.kill_main(ENGINE)
+    one_node.wait_state(RESTART, "activating", 20)
+    one_node.systemctl("stop", TARGET)
+    for unit in (RESTART, ENGINE, HEAD, TARGET):
+        assert one_node.state_of(unit)[0] == "inactive", (unit, one_node.state_of(unit))
+    assert one_node.show(RESTART, "Result")["Result"] == "success"
+    try:
+        wait_until(lambda: any(one_node.state_of(u)[0] in ("active", "activating")
+                               for u in (TARGET, HEAD, ENGINE, RESTART)), 10,
+                   "a start that must not come")
+        raise AssertionError("the stopped replica came back")
+    except AssertionError as exc:
+        if "must not come" not in str(exc):
+            raise
