@@ -32,6 +32,9 @@ LAUNCHER_SHEBANG = "#!/usr/bin/python3 -IS"
 # RHEL spell both under /usr/lib (%{_systemdgeneratordir}, %{_systemdusergeneratordir}).
 DEB_GENERATOR_LINKS = ("/lib/systemd/system-generators/llmgw-systemd-generator",
                        "/usr/lib/systemd/user-generators/llmgw-systemd-generator")
+# the service accounts and the supervisor's one permission (docs/hardening.md)
+LEAST_PRIVILEGE_FILES = ("/usr/lib/sysusers.d/llmgw-systemd.conf",
+                         "/usr/share/polkit-1/rules.d/50-llmgw-supervisor.rules")
 RPM_GENERATOR_LINKS = ("/usr/lib/systemd/system-generators/llmgw-systemd-generator",
                        "/usr/lib/systemd/user-generators/llmgw-systemd-generator")
 # every command's man page and bash completion (scripts/manpages.py)
@@ -126,6 +129,7 @@ def test_deb_holds_what_it_should_and_nothing_from_the_build() -> None:
                 "/usr/share/doc/llmgw-systemd/examples/replicas.yaml",
                 "/usr/lib/python3/dist-packages/llmgw_systemd/cli.py",
                 "/usr/lib/python3/dist-packages/llmgw_systemd/units/templates/service.j2",
+                *LEAST_PRIVILEGE_FILES,
                 *(f"{p}.gz" for p in MAN_PAGES), *COMPLETIONS]  # dh_installman gzips
     for path in expected:
         assert path in files, path
@@ -154,7 +158,8 @@ def test_deb_generator_is_the_launcher_and_its_links(tmp_path: Path) -> None:
 def test_deb_depends_on_distribution_packages() -> None:
     depends = run("dpkg-deb", "-f", str(DEB), "Depends").stdout
     for package in ("python3-jinja2", "python3-yaml", "python3-click", "python3-pydbus",
-                    "python3-gi", "python3-h11", "python3-prometheus-client", "systemd"):
+                    "python3-gi", "python3-h11", "python3-prometheus-client", "systemd",
+                    "polkitd"):
         assert package in depends, depends
 
 
@@ -166,6 +171,9 @@ def test_deb_scripts_enable_but_never_start_and_restart_only_the_supervisor(
     assert "deb-systemd-helper enable 'llmgw-supervisor.service'" in postinst
     assert "deb-systemd-invoke try-restart llmgw-supervisor.service" in postinst
     assert "deb-systemd-invoke start" not in postinst
+    # the service accounts exist before an upgrade restarts the supervisor as one
+    assert "systemd-sysusers" in postinst
+    assert postinst.index("systemd-sysusers") < postinst.index("try-restart"), postinst
     assert 'if [ "$1" = "remove" ]' in prerm and "stop llmgw-supervisor.service" in prerm
     for script in ("postinst", "prerm", "postrm"):
         text = (tmp_path / script).read_text()
@@ -188,7 +196,7 @@ def test_rpm_files_requirements_and_scripts(tmp_path: Path) -> None:
     files = run("rpm", "-qlp", str(RPM)).stdout.splitlines()
     for path in (*(f"/usr/bin/{e}" for e in ENTRY_POINTS), *RPM_GENERATOR_LINKS,
                  "/usr/lib/systemd/system/llmgw-supervisor.service", "/etc/llmgw/replicas.d",
-                 *COMPLETIONS):
+                 *LEAST_PRIVILEGE_FILES, *COMPLETIONS):
         assert path in files, path
     for page in MAN_PAGES:  # compressed by rpm's brp-compress where the build host has it
         assert any(f in files for f in (page, f"{page}.gz", f"{page}.xz", f"{page}.zst")), page
@@ -203,13 +211,15 @@ def test_rpm_files_requirements_and_scripts(tmp_path: Path) -> None:
                for line in listing), listing
     requires = run("rpm", "-qpR", str(RPM)).stdout
     for package in ("python3-jinja2", "python3-pyyaml", "python3-click", "python3-pydbus",
-                    "python3-gobject", "python3-h11", "python3-prometheus_client", "systemd"):
+                    "python3-gobject", "python3-h11", "python3-prometheus_client", "systemd",
+                    "polkit"):
         assert package in requires, requires
     scripts = run("rpm", "-qp", "--scripts", str(RPM)).stdout
     assert "systemctl --no-reload preset llmgw-supervisor.service" in scripts
     assert "systemctl --no-reload disable --now llmgw-supervisor.service" in scripts
     assert "systemctl try-restart llmgw-supervisor.service" in scripts
     assert "start llmgw-supervisor" not in scripts.replace("try-restart", "")
+    assert "systemd-sysusers /usr/lib/sysusers.d/llmgw-systemd.conf" in scripts
     # where every file lands, in a scratch root
     root = tmp_path / "root"
     installed = run("rpm", "-i", "--nodeps", "--noscripts", "--root", str(root), "--dbpath",
