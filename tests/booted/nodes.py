@@ -42,7 +42,7 @@ MODEL = CACHE / "tiny-llama-v1"
 # C++ compiler with Python's headers (torch's inductor compiles a kernel at the first step
 # of a tensor-parallel pair: InvalidCxxCompiler without g++); the deb's own dependencies,
 # so that installing it needs no download (apt still resolves them as an operator's would).
-IMAGE_PACKAGES = ("systemd", "systemd-sysv", "dbus", "iproute2", "libnuma1", "openssl",
+IMAGE_PACKAGES = ("systemd", "systemd-sysv", "dbus", "polkitd", "iproute2", "libnuma1", "openssl",
                   "g++", "python3-dev",
                   "python3", "python3-jinja2", "python3-yaml", "python3-click",
                   "python3-pydbus", "python3-gi", "python3-prometheus-client", "python3-h11")

@@ -45,7 +45,7 @@ UPGRADE = f"{VERSION}.post1"  # the tree again, as a later version
 SPECS = "/etc/llmgw/replicas.d"
 API = "http://127.0.0.1:9470/v1"  # each supervisor's --local listener, on its own node
 OFFLINE = '{HF_HUB_OFFLINE: "1", TRANSFORMERS_OFFLINE: "1", VLLM_CPU_KVCACHE_SPACE: "1"}'
-VLLM_ARGS = '[--max-model-len, "256", --enforce-eager, --dtype, bfloat16]'
+VLLM_ARGS = '[--max-model-len, "256", --enforce-eager, --dtype, float32]'
 FIGURES: dict[str, float] = {}  # printed at the end of the module (pytest -s shows them)
 
 
@@ -247,7 +247,7 @@ def solo_spec(extra_args: str = "") -> str:
     virtualenv: {ENGINE_VENV}
     port: 8000
     env: {OFFLINE}
-    args: [--max-model-len, "256", --enforce-eager, --dtype, bfloat16{extra_args}]
+    args: [--max-model-len, "256", --enforce-eager, --dtype, float32{extra_args}]
     health: {{interval: 1, timeout: 2}}
     nodes: [{{name: node-a, address: 198.51.100.1}}]
 """
@@ -261,6 +261,8 @@ def duo_spec() -> str:
     enable: true
     serving_rank: null
     health: {stability: 2}
+    restart: {delay: 1, burst: 10, interval: 600}
+    group_restart: {delay: 1, max_delay: 4, budget: 5, window: 600}
     ranks:
       - commands: [{argv: [/usr/bin/sleep, infinity]}]
       - commands: [{argv: [/usr/bin/sleep, infinity]}]
@@ -305,8 +307,97 @@ def test_at_boot_an_enabled_replica_serves_and_a_broken_file_is_named(cluster: C
     assert new != old
     assert "--served-model-name edited" in a.run("cat", f"/proc/{new}/cmdline").stdout.replace(
         "\0", " ")
+    # as the service account, in its sandbox, writing only its own directories
+    assert_sandboxed(a, "llmgw-solo-engine.service")
+    cache = a.run("find", "/var/cache/llmgw/solo", "-mindepth", "1", "-maxdepth", "1").stdout
+    assert cache.strip(), "nothing in the replica's cache directory"
+    owners = a.run("stat", "-c", "%U", "/var/cache/llmgw/solo", "/var/lib/llmgw/solo").stdout
+    assert owners.split() == ["llmgw", "llmgw"], owners
+    ours, theirs = a.run("ls", "-a", f"/proc/{new}/root/tmp").stdout, a.run("ls", "-a", "/tmp")
+    assert ours.split() != theirs.stdout.split() or not theirs.stdout.strip(), "a shared /tmp"
+    a.write("/tmp/node-marker", "the node's own /tmp\n")
+    assert "node-marker" not in a.run("ls", f"/proc/{new}/root/tmp").stdout
     cluster.drop_spec("solo.yaml", "llmgw-solo.target")
     assert a.show("llmgw-solo-engine.service", "LoadState")["LoadState"] == "not-found"
+
+
+def assert_sandboxed(node: Node, unit: str) -> None:
+    """The unit's main process runs as the service account llmgw, with no capability and
+    no way to gain privileges (docs/hardening.md)."""
+    pid = main_pid(node, unit)
+    status = dict(line.split(":\t", 1) for line in node.run(
+        "cat", f"/proc/{pid}/status").stdout.splitlines() if ":\t" in line)
+    llmgw = node.run("id", "-u", "llmgw").stdout.strip()
+    assert status["Uid"].split()[:2] == [llmgw, llmgw], (node.name, unit, status["Uid"])
+    assert status["NoNewPrivs"].strip() == "1", (node.name, unit, status)
+    assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0, \
+        (node.name, unit, status)
+
+
+# A program in the units' sandbox, as every engine unit has it (the same template): what
+# it may and may not do, one JSON line to the journal, then it sleeps (it is an engine).
+PROBE = (
+    "import json, os, subprocess, time\n"
+    "def attempt(f):\n"
+    "    try:\n"
+    "        f(); return 'allowed'\n"
+    "    except OSError as e:\n"
+    "        return type(e).__name__\n"
+    "def listing(path):\n"
+    "    try:\n"
+    "        return sorted(os.listdir(path))\n"
+    "    except OSError as e:\n"
+    "        return type(e).__name__\n"
+    "def write(path):\n"
+    "    with open(path, 'w') as out: out.write('x')\n"
+    "seen = {\n"
+    "    'usr': attempt(lambda: write('/usr/local/share/llmgw-open/x')),\n"
+    "    'virtualenv': attempt(lambda: write(VENV + '/bin/llmgw-probe')),\n"
+    "    'root': listing('/root'),\n"
+    "    'state': attempt(lambda: write('/var/lib/llmgw/probe/ok')),\n"
+    "    'euid via setuid': subprocess.run(['/usr/local/bin/id-setuid', '-u'],\n"
+    "                                      capture_output=True, text=True).stdout.strip(),\n"
+    "    'uid': os.getuid(),\n"
+    "}\n"
+    "print('PROBE ' + json.dumps(seen), flush=True)\n"
+    "time.sleep(100000)\n")
+
+
+@reported
+def test_the_engines_sandbox_does_its_job(cluster: Cluster) -> None:
+    a = cluster.a
+    a.write("/root/marker", "root's own\n")
+    # a setuid-root copy of id(1): outside a sandbox it would say 0
+    shutil.copy(a.root / "usr/bin/id", a.root / "usr/local/bin/id-setuid")
+    (a.root / "usr/local/bin/id-setuid").chmod(0o4755)
+    assert a.run("runuser", "-u", "llmgw", "--", "/usr/local/bin/id-setuid", "-u"
+                 ).stdout.strip() == "0"
+    # a folder under /usr anyone may write: only the sandbox's read-only /usr stops it
+    open_dir = a.root / "usr/local/share/llmgw-open"
+    open_dir.mkdir(parents=True)
+    open_dir.chmod(0o1777)
+    a.run("runuser", "-u", "llmgw", "--", "touch", "/usr/local/share/llmgw-open/outside")
+    probe = PROBE.replace("VENV", repr(str(ENGINE_VENV)))
+    a.write("/opt/probe.py", probe)
+    cluster.spec("probe.yaml", """replicas:
+  - name: probe
+    engine: command
+    serving_rank: null
+    ranks: [{commands: [{argv: [/usr/bin/python3, /opt/probe.py]}]}]
+    nodes: [{name: node-a, address: 198.51.100.1}]
+""")
+    a.systemctl("daemon-reload")
+    a.systemctl("start", "llmgw-probe.target")
+    line = wait_until(lambda: next((ln for ln in a.journal(
+        "-u", "llmgw-probe-engine.service", "-o", "cat").splitlines()
+        if ln.startswith("PROBE ")), None), 60, "the probe's report")
+    seen = json.loads(line.removeprefix("PROBE "))
+    llmgw = int(a.run("id", "-u", "llmgw").stdout)
+    assert seen["root"] in ([], "PermissionError"), seen  # /root/marker stays unseen
+    assert {k: v for k, v in seen.items() if k != "root"} == {
+        "usr": "OSError", "virtualenv": "OSError", "state": "allowed",
+        "euid via setuid": str(llmgw), "uid": llmgw}, seen
+    cluster.drop_spec("probe.yaml", "llmgw-probe.target")
 
 
 # -- 2. the supervisor as shipped ----------------------------------------------------------
@@ -349,6 +440,49 @@ def test_the_supervisors_come_up_at_boot_over_tls_from_their_credentials(
                    f"duo ready again on {node.name}", 0.5)
 
 
+def as_supervisor(node: Node, *argv: str) -> subprocess.CompletedProcess[str]:
+    return node.run("runuser", "-u", "llmgw-supervisor", "--", *argv, check=False)
+
+
+def restart_call(node: Node, unit: str) -> subprocess.CompletedProcess[str]:
+    """RestartUnit over D-Bus as the supervisor's user, as the supervisor itself calls it."""
+    return as_supervisor(node, "busctl", "call", "org.freedesktop.systemd1",
+                         "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
+                         "RestartUnit", "ss", unit, "replace")
+
+
+@reported
+def test_the_supervisor_restarts_a_group_as_its_own_user_and_nothing_else(
+        cluster: Cluster) -> None:
+    a, b = cluster.nodes
+    for node in cluster.nodes:
+        pid = main_pid(node, "llmgw-supervisor.service")
+        uid = node.run("stat", "-c", "%U", f"/proc/{pid}").stdout.strip()
+        assert uid == "llmgw-supervisor", uid
+    wait_until(lambda: replica(a, "duo")["settled"] is True, 60, "duo settled on node-a", 0.5)
+    before = main_pid(a, "llmgw-duo-engine.service")
+    b.systemctl("kill", "--signal=SIGKILL", "--kill-whom=main", "llmgw-duo-engine.service")
+    # node-b's rank restarted after the replica was ready: node-a restarts its own shard
+    wait_until(lambda: main_pid(a, "llmgw-duo-engine.service") not in (0, before), 60,
+               "node-a's group restart", 0.5)
+    assert "restarting this node's shard" in a.journal("-u", "llmgw-supervisor.service")
+    assert int(str(replica(a, "duo")["group_restarts"])) >= 1
+
+    # polkit: the supervisor's user may restart a replica's target, nothing else
+    assert restart_call(a, "llmgw-duo.target").returncode == 0
+    for unit in ("systemd-journald.service", "llmgw-duo-engine.service", "dbus.service"):
+        refused = restart_call(a, unit)
+        assert refused.returncode != 0, unit
+        assert "denied" in refused.stderr.lower() or "authentication" in \
+            refused.stderr.lower(), refused.stderr
+    transient = as_supervisor(a, "systemd-run", "--no-ask-password", "/usr/bin/true")
+    assert transient.returncode != 0, transient.stdout
+    assert "denied" in transient.stderr.lower() or "authentication" in \
+        transient.stderr.lower(), transient.stderr
+    stop = as_supervisor(a, "systemctl", "--no-ask-password", "stop", "llmgw-duo.target")
+    assert stop.returncode != 0, "the supervisor's user may stop a replica"
+
+
 # -- 3. Ray with a token -------------------------------------------------------------------
 
 
@@ -381,6 +515,9 @@ def test_ray_with_a_token_from_a_credential_across_nodes(cluster: Cluster) -> No
         node.systemctl("daemon-reload")
         node.systemctl("start", "llmgw-ray.target")
     wait_until(lambda: completion(a, 8100, str(MODEL)) == 200, 420, "Ray to serve", 1)
+    for node, unit in ((a, "llmgw-ray-ray-head.service"), (a, "llmgw-ray-engine.service"),
+                       (b, "llmgw-ray-engine.service")):
+        assert_sandboxed(node, unit)
     token = (a.root / "etc/llmgw/ray-token").read_text()
     for node, unit in ((a, "llmgw-ray-ray-head.service"), (b, "llmgw-ray-engine.service")):
         assert token.strip() not in node.systemctl("cat", unit).stdout
@@ -525,6 +662,8 @@ def test_a_node_of_a_two_node_replica_reboots_and_loses_power_under_load(
         node.systemctl("start", "llmgw-pair.target")
     wait_until(lambda: completion(a, 8200, str(MODEL)) == 200, 420, "pair to serve", 1)
     wait_until(lambda: state_of(a, "pair") == "ready", 60, "node-a to say ready", 0.5)
+    for node in cluster.nodes:
+        assert_sandboxed(node, "llmgw-pair-engine.service")
 
     def reboot() -> float:
         return b.reboot()
