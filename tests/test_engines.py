@@ -14,8 +14,8 @@ from llmgw_systemd.errors import SpecError
 from llmgw_systemd.spec import common_keys
 from llmgw_systemd.spec import replicas as spec
 from llmgw_systemd.spec.document import KeyPath, format_path, parse
+from llmgw_systemd.spec.engines import sglang, vllm
 from llmgw_systemd.spec.engines import table as engines
-from llmgw_systemd.spec.engines import vllm
 from llmgw_systemd.spec.engines.base import EngineEntry, Http, PortClaim, Step
 from llmgw_systemd.spec.engines.table import ENGINES
 from llmgw_systemd.spec.keys import Key, tcp_port
@@ -67,32 +67,39 @@ class Row:
 ROWS = {
     "vllm ray, two nodes: a Ray head on the leader, the worker only joins": Row(
         f"engine: vllm\nmodel: /m\n{TWO_NODES}",
-        {0: ("ray-head", "engine"), 1: ("engine",)}, Http(0, "0.0.0.0", 8000, "/m"),
+        {0: ("ray-head", "engine"), 1: ("engine",)},
+        Http(0, "0.0.0.0", 8000, "/m", vllm.PROGRESS),
         (web(0, 8000), meet(6379)),
         frozenset({"VLLM_HOST_IP", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"}),
         True),
     "vllm ray, one node: the head still binds its port": Row(
         f"engine: vllm\nmodel: /m\n{ONE_NODE}", {0: ("ray-head", "engine")},
-        Http(0, "0.0.0.0", 8000, "/m"), (web(0, 8000), meet(6379)),
+        Http(0, "0.0.0.0", 8000, "/m", vllm.PROGRESS), (web(0, 8000), meet(6379)),
         frozenset({"VLLM_HOST_IP", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"}),
         False),
     "vllm mp, two nodes: the master port on rank 0, the served name from args": Row(
         f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nport: 8100\nargs: [--served-model-name, "
         f"x]\n{TWO_NODES}", {0: ("engine",), 1: ("engine",)},
-        Http(0, "0.0.0.0", 8100, "x"), (web(0, 8100), meet(29500)),
+        Http(0, "0.0.0.0", 8100, "x", vllm.PROGRESS), (web(0, 8100), meet(29500)),
         frozenset({"VLLM_HOST_IP"}), True),
     "vllm mp with a drain: the stop timeout must cover it": Row(
         f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nargs: [--shutdown-timeout, '25']\n"
-        f"stop_timeout: 35\n{ONE_NODE}", {0: ("engine",)}, Http(0, "0.0.0.0", 8000, "/m"),
+        f"stop_timeout: 35\n{ONE_NODE}", {0: ("engine",)},
+        Http(0, "0.0.0.0", 8000, "/m", vllm.PROGRESS),
         (web(0, 8000),), frozenset({"VLLM_HOST_IP"}), False, 35),
     "vllm mp, one node: no master port": Row(
         f"engine: vllm\nlaunch_mode: mp\nmodel: /m\n{ONE_NODE}", {0: ("engine",)},
-        Http(0, "0.0.0.0", 8000, "/m"), (web(0, 8000),), frozenset({"VLLM_HOST_IP"}),
+        Http(0, "0.0.0.0", 8000, "/m", vllm.PROGRESS), (web(0, 8000),),
+        frozenset({"VLLM_HOST_IP"}),
         False),
-    "sglang, two nodes": Row(
+    "sglang, two nodes: no --enable-metrics, so no progress to read": Row(
         f"engine: sglang\nmodel: /m\nhost: 127.0.0.1\n{TWO_NODES}",
         {0: ("engine",), 1: ("engine",)}, Http(0, "127.0.0.1", 30000, "/m"),
         (web(0, 30000), meet(20000)), frozenset(), True),
+    "sglang with --enable-metrics: its progress series": Row(
+        f"engine: sglang\nmodel: /m\nargs: [--enable-metrics]\n{ONE_NODE}",
+        {0: ("engine",)}, Http(0, "0.0.0.0", 30000, "/m", sglang.PROGRESS),
+        (web(0, 30000),), frozenset(), False),
     "command: its own sequences; the serving command's bind is its HTTP claim": Row(
         COMMANDS_2, {0: ("engine",), 1: ("side", "engine")}, Http(0, "0.0.0.0", 9000, None),
         (web(0, 9000), (1, 7000, "ranks[1].commands[0].binds[0]", "command")), frozenset(),
@@ -179,7 +186,8 @@ SAMPLES = {
     ],
     "command": [
         "serving_rank: 1\nport: 9000\n"
-        "ranks: [{commands: [{argv: [/bin/a]}]}, {commands: [{argv: [/bin/b]}]}]",
+        "ranks: [{commands: [{argv: [/bin/a]}]}, {commands: [{argv: [/bin/b]}]}]\n"
+        "progress: {steps: [steps_total], pending: [running, waiting]}",
     ],
 }
 

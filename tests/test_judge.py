@@ -9,7 +9,16 @@ import pytest
 
 from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
 from llmgw_systemd.health.group_restart import GroupRestartPolicy
-from llmgw_systemd.health.judge import Memory, ReplicaPolicy, RestartShard, judge, refused
+from llmgw_systemd.health.judge import (
+    DEATH,
+    STALL,
+    Memory,
+    ReplicaPolicy,
+    RestartShard,
+    judge,
+    refused,
+)
+from llmgw_systemd.health.progress import ProgressReading
 from llmgw_systemd.health.rules import DEGRADED, FAILED, READY, STARTING, STOPPED, State
 from llmgw_systemd.health.unit_state import UnitState
 
@@ -42,6 +51,22 @@ PROBE_STALE = ProbeEvidence(True, "HTTP 200 in 3 ms", GEN, NOW - 10)
 PROBE_REFUSED = ProbeEvidence(False, "connection refused", GEN, NOW - 1)
 COMPLETED = ProbeEvidence(True, "answered in 40 ms", GEN, NOW - 2)
 COMPLETION_500 = ProbeEvidence(False, "HTTP 500 in 9 ms", GEN, NOW - 2)
+COMPLETION_TIMEOUT = ProbeEvidence(False, "no answer within 10 s", GEN, NOW - 2)
+STALLING = replace(GENERATING, stall_after=120)  # progress read from the metrics
+
+
+def progress(*, steps: int, pending: int, gen: str = GEN, span: float = 130
+             ) -> tuple[ProgressReading, ...]:
+    """Readings every 10 s over the last `span` seconds: the counter moving by `steps`
+    each time (0: frozen), `pending` requests running and waiting."""
+    n = int(span // 10) + 1
+    return tuple(ProgressReading(NOW - span + 10 * i, 1000 + steps * i, pending,
+                                 generation=gen) for i in range(n))
+
+
+UNREADABLE = tuple(ProgressReading(NOW - 130 + 10 * i, None, None, "connection refused",
+                                   GEN) for i in range(14))
+SERVED = Memory(served=GEN)
 
 
 def peer(source: str, *shards: PeerShard, age: float = 1, authenticated: bool = True,
@@ -71,6 +96,8 @@ class Case:
     ignored: int = 0
     systemd_error: str = ""
     completion: ProbeEvidence | None = None
+    progress: tuple[ProgressReading, ...] = ()
+    cause: str = DEATH  # of the RestartShard actions expected
 
 
 CASES = [
@@ -191,6 +218,48 @@ CASES = [
          policy=WORKER, memory=Memory(failing_since=NOW - 5),
          peers={"a": peer("a", shard(0, "a", STOPPED))}, state=DEGRADED,
          reason="rank 0 on a: stopped"),
+    # -- progress: busy is not stalled, a stall restarts the group (health/progress.py)
+    Case("saturated: the check times out behind real work, steps run: ready, busy",
+         policy=STALLING, memory=SERVED, completion=COMPLETION_TIMEOUT,
+         progress=progress(steps=40, pending=7), reason="busy: 7 request(s) pending and "
+         "the engine stepping; the one-token check waits behind them"),
+    Case("the same without stall detection: the failing check degrades it",
+         policy=GENERATING, memory=SERVED, completion=COMPLETION_TIMEOUT,
+         progress=progress(steps=40, pending=7), state=DEGRADED,
+         reason="a one-token completion failed: no answer within 10 s"),
+    Case("idle and the check failing: a real failure, not busy", policy=STALLING,
+         memory=SERVED, completion=COMPLETION_500, progress=progress(steps=0, pending=0),
+         state=DEGRADED, reason="a one-token completion failed: HTTP 500"),
+    Case("work pending, no step for stall_after: stalled, the restart waits its delay",
+         policy=STALLING, memory=SERVED, completion=COMPLETION_TIMEOUT,
+         progress=progress(steps=0, pending=1), state=FAILED,
+         reason="stalled: 1 request(s) pending and no engine step for 130 s"),
+    Case("stalled past the delay: this node restarts its shard, cause stall",
+         policy=STALLING, memory=replace(SERVED, failing_since=NOW - 10),
+         completion=COMPLETION_TIMEOUT, progress=progress(steps=0, pending=1),
+         state=FAILED, reason="group restart 1 of 2", restarts=1, cause=STALL),
+    Case("stalled while /health still says 200 and no check is on", policy=replace(
+        POLICY, stall_after=120), memory=replace(SERVED, failing_since=NOW - 10),
+         progress=progress(steps=0, pending=2), state=FAILED, reason="stalled",
+         restarts=1, cause=STALL),
+    Case("metrics unreadable and the check failing for stall_after: stalled",
+         policy=STALLING, memory=replace(SERVED, failing_since=NOW - 10,
+                                         check_failing=(GEN, NOW - 125)),
+         completion=COMPLETION_TIMEOUT, progress=UNREADABLE, state=FAILED,
+         reason="metrics unreadable (connection refused) and the generation check "
+         "failing for 125 s", restarts=1, cause=STALL),
+    Case("metrics unreadable, the check failing briefly: degraded, no restart",
+         policy=STALLING, memory=SERVED, completion=COMPLETION_TIMEOUT,
+         progress=UNREADABLE, state=DEGRADED, reason="a one-token completion failed"),
+    Case("a stall before the rank ever served is a slow start, not a stall",
+         policy=STALLING, completion=COMPLETION_TIMEOUT,
+         progress=progress(steps=0, pending=1), state=STARTING),
+    Case("readings of an earlier start say nothing", policy=STALLING, memory=SERVED,
+         completion=COMPLETION_TIMEOUT, progress=progress(steps=0, pending=1, gen=OLD_GEN),
+         state=DEGRADED, reason="a one-token completion failed"),
+    Case("a non-serving rank reads no progress", policy=replace(WORKER, stall_after=120),
+         peers={"a": peer("a", shard(0, "a"))}, progress=progress(steps=0, pending=1),
+         reason="all 2 ranks ready"),
     Case("a peer that is unreachable while ours fails: unknown, still failed",
          local=units("failed", "failed", result="exit-code"), probe=None,
          peers={"b": peer("b", error="refused")}, state=FAILED, reason="rank 0 on a"),
@@ -201,11 +270,11 @@ CASES = [
 def test_judge(case: Case) -> None:
     verdict = judge(case.policy, case.memory, local=case.local,
                     systemd_error=case.systemd_error, probe=case.probe, peers=case.peers,
-                    now=NOW, completion=case.completion)
+                    now=NOW, completion=case.completion, progress=case.progress)
     assert verdict.health.state == case.state, verdict.health
-    assert case.reason in verdict.health.reason
+    assert case.reason in verdict.health.reason, verdict.health
     assert len(verdict.actions) == case.restarts
-    assert all(a == RestartShard("rep", a.reason) for a in verdict.actions)
+    assert all(a == RestartShard("rep", a.reason, case.cause) for a in verdict.actions)
     ignored = [line for seen in case.peers.values() for line in refused(case.policy, seen)]
     assert len(ignored) == case.ignored, ignored
     # "ready" only ever with fresh evidence from every rank

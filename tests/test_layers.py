@@ -61,7 +61,8 @@ IMPURE_STDLIB = {"os", "socket", "subprocess", "time", "threading", "asyncio", "
 # Libraries that belong to one module each.
 ONLY_IN = {"click": {"cli"}, "gi": {"supervisor.systemd_bus"},
            "pydbus": {"supervisor.systemd_bus"}, "jinja2": {"units.render"},
-           "prometheus_client": {"supervisor.http.metrics"}, "h11": {
+           "prometheus_client": {"supervisor.http.metrics", "supervisor.engine_metrics"},
+           "h11": {
                "supervisor.http.server", "supervisor.peer_client"}}
 # Which role may use which: data flows one way (spec -> units -> files; unit state ->
 # health -> report). A key imports nothing of ours outside its own folder and these.

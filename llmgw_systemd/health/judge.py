@@ -22,18 +22,26 @@ Rules (docs/supervisor.md):
   budget. An engine started after rank 0 was seen stopped is already waiting.
 - With a generation check, the serving rank is ready only while a one-token completion
   for its current start succeeded recently, too: /health alone stays 200 when a peer died.
+- Liveness comes from the engine's own progress (progress.py): while the serving rank's
+  engine takes steps with work pending it is busy, not failing, and a generation check
+  that timed out behind real work does not take it out of rotation; work pending and
+  not one step for `stall_after` seconds (or the check failing that long with the
+  metrics unreadable) is a stall: the rank is failed, and the group restarts as after a
+  death, under the same backoff and budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
 from llmgw_systemd.health.group_restart import GIVE_UP, NOW, GroupRestartPolicy, decide
+from llmgw_systemd.health.progress import BUSY, STALLED, Liveness, ProgressReading, liveness
 from llmgw_systemd.health.rules import (
     DEGRADED,
     FAILED,
+    NO_ANSWER,
     READY,
     STARTING,
     STOPPED,
@@ -56,13 +64,14 @@ class ReplicaPolicy:
     rank: int  # this node's rank
     serving: bool  # whether this node's rank serves HTTP (and is probed)
     stability: float  # seconds a non-serving rank must stay up to count as ready
-    probe_fresh: float  # a probe result counts this long (interval + timeout)
+    probe_fresh: float  # a probe result counts this long (interval + 2 x timeout + 1)
     peer_fresh: float  # a peer's answer counts this long
     settle: float  # how long a ready replica holds still before its generations count
     group_restart: GroupRestartPolicy = field(default_factory=GroupRestartPolicy)
     require_auth: bool = False  # TLS configured: unauthenticated reports never count
     follows_leader: bool = False  # ranks >= 1 joined rank 0's rendezvous (vLLM, SGLang)
     completion_fresh: float | None = None  # a generation check counts this long; None: off
+    stall_after: float = 0  # seconds; 0: no stall detection (no metrics to read, or off)
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,11 @@ class Memory:
     candidate_since: float | None = None
     served: str | None = None  # generation in which our serving rank answered its probe
     leader_stopped_since: float | None = None  # when rank 0 was first seen stopped
+    # (generation, since when) the generation check has failed without a pass between
+    check_failing: tuple[str, float] | None = None
+
+
+DEATH, STALL = "death", "stall"
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,7 @@ class RestartShard:
 
     replica: str
     reason: str
+    cause: str = DEATH  # DEATH: a rank died or failed; STALL: ours stalled (metrics)
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,7 @@ class Verdict:
     actions: tuple[RestartShard, ...] = ()
     notes: tuple[str, ...] = ()  # log lines: what was decided and why
     next_restart: str = ""
+    liveness: Liveness | None = None  # this node's serving rank, from its progress
 
     @property
     def settled(self) -> bool:
@@ -126,21 +142,48 @@ def combined_probe(policy: ReplicaPolicy, probe: ProbeEvidence | None,
     return Probe(True, f"{probe.detail}; one-token completion {completion.detail}")
 
 
+def _check_failing(memory: Memory, generation: str, completed: ProbeEvidence | None
+                   ) -> tuple[str, float] | None:
+    """Since when the generation check fails for this generation (None: it passes, or
+    nothing says it fails)."""
+    held = memory.check_failing if memory.check_failing is not None and \
+        memory.check_failing[0] == generation else None
+    if completed is None:
+        return held
+    if completed.ok:
+        return None
+    return held if held is not None else (generation, completed.taken_at)
+
+
 def local_rank(policy: ReplicaPolicy, memory: Memory, local: LocalEvidence | None,
                systemd_error: str, probe: ProbeEvidence | None,
-               now: float, completion: ProbeEvidence | None = None
-               ) -> tuple[RankReport, str, Memory]:
-    """This node's rank: its report, its generation and the updated memory."""
+               now: float, completion: ProbeEvidence | None = None,
+               progress: Sequence[ProgressReading] = (),
+               ) -> tuple[RankReport, str, Memory, Liveness | None]:
+    """This node's rank: its report, its generation, the updated memory, and (for the
+    serving rank, with stall detection on) what its engine's progress says."""
     node = policy.nodes[policy.rank]
     if local is None:
         why = f"systemd unreachable: {systemd_error}" if systemd_error else "no data yet"
-        return RankReport(policy.rank, node, UNKNOWN, why), "", memory
+        return RankReport(policy.rank, node, UNKNOWN, why), "", memory, None
     generation = local.generation
     # from an earlier start of the shard, or too old to say anything: not evidence
     valid = _current(probe, generation, policy.probe_fresh, now)
     completed = (_current(completion, generation, policy.completion_fresh, now)
                  if policy.completion_fresh is not None else None)
-    combined = combined_probe(policy, valid, completed)
+    failing = _check_failing(memory, generation, completed)
+    memory = replace(memory, check_failing=failing)
+    live = None
+    if policy.serving and policy.stall_after > 0 and generation:
+        live = liveness([r for r in progress if r.generation == generation], now=now,
+                        stall_after=policy.stall_after,
+                        check_failing_since=None if failing is None else failing[1])
+    waited = completed is not None and completed.detail.startswith(NO_ANSWER)
+    if live is not None and live.verdict == BUSY and valid is not None and valid.ok and waited:
+        # the one-token check waits behind real work: steps running is the evidence
+        combined: Probe | None = Probe(True, f"{valid.detail}; busy: {live.reason}")
+    else:
+        combined = combined_probe(policy, valid, completed)
     was_ready = bool(generation) and memory.served == generation
     health = shard_health(
         local.target, local.members, serving=policy.serving, probe=combined,
@@ -151,7 +194,13 @@ def local_rank(policy: ReplicaPolicy, memory: Memory, local: LocalEvidence | Non
                         f"{policy.probe_fresh:g} s")
     if combined is not None and combined.ok and health.state == READY:
         memory = replace(memory, served=generation)
-    return RankReport(policy.rank, node, health.state, health.reason), generation, memory
+    if live is not None and live.verdict == STALLED and was_ready and \
+            health.state in (READY, DEGRADED):
+        # A stall counts once the rank has served in this start: before, the engine is
+        # still starting (vLLM has no /metrics until it listens).
+        health = Health(FAILED, f"stalled: {live.reason}")
+    return (RankReport(policy.rank, node, health.state, health.reason), generation, memory,
+            live)
 
 
 def counts(policy: ReplicaPolicy, seen: PeerEvidence, shard: PeerShard) -> bool:
@@ -199,10 +248,12 @@ def peer_rank(policy: ReplicaPolicy, rank: int, seen: PeerEvidence | None,
 def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
           systemd_error: str = "", probe: ProbeEvidence | None,
           peers: Mapping[str, PeerEvidence], now: float,
-          completion: ProbeEvidence | None = None) -> Verdict:
-    """One replica's health, and what to do about it."""
-    mine, generation, memory = local_rank(policy, memory, local, systemd_error, probe, now,
-                                          completion)
+          completion: ProbeEvidence | None = None,
+          progress: Sequence[ProgressReading] = ()) -> Verdict:
+    """One replica's health, and what to do about it. progress: the serving rank's
+    metrics readings, oldest first (progress.keep bounds them)."""
+    mine, generation, memory, live = local_rank(policy, memory, local, systemd_error, probe,
+                                                now, completion, progress)
     reports = [mine]
     generations = {policy.rank: generation}
     for rank, node in enumerate(policy.nodes):
@@ -214,8 +265,11 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
             generations[rank] = gen
     reports.sort(key=lambda r: r.rank)
     health = replica_health(reports, len(policy.nodes))
+    if live is not None and live.verdict == BUSY and health.state == READY:
+        # ready, and why a gateway sees slow answers: docs/supervisor.md, "Busy"
+        health = Health(READY, f"{health.reason}; busy: {live.reason}")
     gens = tuple(sorted(generations.items()))
-    verdict = Verdict(memory, health, tuple(reports), gens)
+    verdict = Verdict(memory, health, tuple(reports), gens, liveness=live)
     return _group_restart(policy, verdict, now, engine_since=_engine_since(local))
 
 
@@ -286,10 +340,13 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
         note = (f"{policy.name}: a rank died; this node's shard already restarted "
                 f"({decision.reason})")
         return replace(verdict, memory=memory, notes=(note,))
-    note = (f"{policy.name}: a rank died ({died}); restarting this node's shard: "
-            f"{decision.reason}")
+    stalled = (verdict.liveness is not None and verdict.liveness.verdict == STALLED
+               and reports[policy.rank].state == FAILED)
+    note = (f"{policy.name}: {'this rank stalled' if stalled else 'a rank died'} ({died}); "
+            f"restarting this node's shard: {decision.reason}")
     return replace(verdict, memory=memory, notes=(note,),
-                   actions=(RestartShard(policy.name, f"{died}; {decision.reason}"),))
+                   actions=(RestartShard(policy.name, f"{died}; {decision.reason}",
+                                         STALL if stalled else DEATH),))
 
 
 def _settle(policy: ReplicaPolicy, memory: Memory, generations: tuple[tuple[int, str], ...],
@@ -305,5 +362,6 @@ def _settle(policy: ReplicaPolicy, memory: Memory, generations: tuple[tuple[int,
     return memory
 
 
-__all__ = ["DEGRADED", "FAILED", "READY", "STARTING", "STOPPED", "UNKNOWN", "Memory",
+__all__ = ["DEATH", "DEGRADED", "FAILED", "READY", "STALL", "STARTING", "STOPPED", "UNKNOWN",
+           "Memory",
            "ReplicaPolicy", "RestartShard", "Verdict", "judge", "refused"]

@@ -31,6 +31,11 @@ STATES: tuple[State, ...] = (STOPPED, STARTING, READY, DEGRADED, FAILED, UNKNOWN
 STATE_BY_NAME: dict[str, State] = {s: s for s in STATES}
 
 
+# How a probe that timed out begins its detail (supervisor/probes.py): a generation check
+# that timed out may have waited behind real work; one that failed otherwise did not.
+NO_ANSWER = "no answer within"
+
+
 @dataclass(frozen=True)
 class Probe:
     """The last HTTP health probe of a serving rank."""

@@ -271,10 +271,16 @@ HEALTH = Key("health", read_health, HealthCheck(),
              "the supervisor's checks (see above); `generation: {interval: 30, timeout: 10}` "
              "(or `true`) adds a one-token completion of the serving rank (`POST "
              "/v1/completions`, `max_tokens: 1`, the served model name): the rank is ready "
-             "only while one succeeded for its current start within interval + timeout. Turn "
+             "only while one succeeded for its current start within interval + 2 x timeout + "
+             "1 s (a result is stamped when its check began). Turn "
              "it on for multi-node vLLM with mp, whose `/health` stays 200 after a peer died "
              "until a request fails, and wherever a hung engine must not count as ready; it "
-             "costs one token per interval.", shown=shown_mapping(HEALTH_KEYS))
+             "costs one token per interval. `stall_after` (s, 0: off): the serving rank's "
+             "engine with work pending and not one step for that long (read from its "
+             "metrics: vLLM's, SGLang's with `--enable-metrics`, a command engine's "
+             "`progress`) restarts the replica as a group; one still stepping while the "
+             "one-token check times out behind real work stays ready, `busy` "
+             "(docs/supervisor.md, \"Stalls\").", shown=shown_mapping(HEALTH_KEYS))
 
 COMMON_KEYS: tuple[Key[Any], ...] = (
     NAME, ENGINE, ENABLE, NODES, RENDEZVOUS_TIMEOUT, PORT_RELEASE_TIMEOUT, GPUS, ENV,

@@ -120,8 +120,12 @@ HEALTH_KEYS = (
     Key("stability", seconds(0, 86400, "seconds a non-serving rank must stay up"), 30,
         "seconds a non-serving rank must stay up to count as ready"),
     Key("generation", read_generation, None, "the one-token completion check"),
+    Key("stall_after", seconds(0, 86400, "seconds, or 0 for off"), 120,
+        "seconds with work pending and not one engine step (read from the serving rank's "
+        "metrics) before the replica counts as stalled and restarts as a group; also how "
+        "long a failing generation check with the metrics unreadable may last. 0: off"),
 )
-_PATH, _H_INTERVAL, _H_TIMEOUT, _STABILITY, _GENERATION = HEALTH_KEYS
+_PATH, _H_INTERVAL, _H_TIMEOUT, _STABILITY, _GENERATION, _STALL_AFTER = HEALTH_KEYS
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,7 @@ class HealthCheck:
     timeout: int = _H_TIMEOUT.default
     stability: int = _STABILITY.default
     generation: GenerationCheck | None = _GENERATION.default
+    stall_after: int = _STALL_AFTER.default  # 0: off (health/progress.py)
 
 
 def read_health(reader: Reader, value: Any, path: KeyPath) -> HealthCheck:

@@ -23,12 +23,13 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from llmgw_systemd.errors import BusError, LlmgwError, PeerError, SpecError, StateError
 from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, ProbeEvidence
-from llmgw_systemd.health.judge import Memory, ReplicaPolicy, Verdict, judge, refused
+from llmgw_systemd.health.judge import STALL, Memory, ReplicaPolicy, Verdict, judge, refused
+from llmgw_systemd.health.progress import BUSY, ProgressReading, keep
 from llmgw_systemd.health.rules import READY
 from llmgw_systemd.health.unit_state import UnitState
 from llmgw_systemd.helpers.sd_notify import notify, watchdog_interval
@@ -36,11 +37,17 @@ from llmgw_systemd.spec.document import Document
 from llmgw_systemd.spec.files import read_each, spec_files
 from llmgw_systemd.spec.model import Spec
 from llmgw_systemd.spec.replicas import collect_spec, keep_last_good
+from llmgw_systemd.supervisor.engine_metrics import read_progress
 from llmgw_systemd.supervisor.http import api
 from llmgw_systemd.supervisor.http.metrics import Figures, ReplicaFigures, SupervisorMetrics
 from llmgw_systemd.supervisor.http.server import Changes, HttpServer, Request, Response
 from llmgw_systemd.supervisor.peer_client import fetch_shards
-from llmgw_systemd.supervisor.probes import completion_probe, http_probe, probe_address
+from llmgw_systemd.supervisor.probes import (
+    completion_probe,
+    http_probe,
+    metrics_fetch,
+    probe_address,
+)
 from llmgw_systemd.supervisor.rate_limited_log import RateLimitedLog
 from llmgw_systemd.supervisor.shard_reader import LocalShard, local_shards
 from llmgw_systemd.supervisor.state_file import load_restarts, save_restarts
@@ -83,16 +90,25 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-HEALTH, GENERATION = "health", "generation"
+HEALTH, GENERATION, PROGRESS = "health", "generation", "progress"
+KINDS = (HEALTH, GENERATION, PROGRESS)
 # One replica's published part: (its shard report, its /v1/replicas body, its state,
 # its figures for the metrics)
 View = tuple[dict[str, Any], bytes, str, ReplicaFigures]
 
 
+def _reads_progress(shard: LocalShard) -> bool:
+    """Whether the supervisor reads this shard's progress: its serving rank, an engine
+    that says where (Http.progress), and stall detection on."""
+    http = shard.replica.http
+    return (shard.serving and http is not None and http.progress is not None
+            and shard.replica.health.stall_after > 0)
+
+
 class Prober:
     """Probes one serving shard every interval, and at once when its generation changes:
-    its health endpoint, or (a prober of its own, so a slow completion never delays the
-    health probe) a one-token completion."""
+    its health endpoint, or (each a prober of its own, so a slow answer never delays the
+    health probe) a one-token completion, or its engine's metrics page (its progress)."""
 
     def __init__(self, supervisor: Supervisor, shard: LocalShard, kind: str) -> None:
         self.supervisor, self.shard, self.kind = supervisor, shard, kind
@@ -112,6 +128,16 @@ class Prober:
             generation = sup.generation_of(replica.name)
             if generation:
                 started = time.monotonic()
+                if self.kind == PROGRESS and http.progress is not None:
+                    page = metrics_fetch(host, port, http.progress.path,
+                                         replica.health.timeout)
+                    reading = (read_progress(page, http.progress, started)
+                               if isinstance(page, str) else
+                               ProgressReading(started, None, None, page.detail))
+                    sup.add_reading(replica.name, replace(reading, generation=generation))
+                    self.poke.wait(interval)
+                    self.poke.clear()
+                    continue
                 if self.kind == GENERATION and check is not None:
                     result = completion_probe(host, port, http.model, check.timeout)
                     sup.metrics.completion_seconds.observe(replica.name,
@@ -194,6 +220,7 @@ class Supervisor:
         self.local: dict[str, LocalEvidence] = {}
         self.probes: dict[str, ProbeEvidence] = {}
         self.completions: dict[str, ProbeEvidence] = {}
+        self.readings: dict[str, tuple[ProgressReading, ...]] = {}  # progress.keep bounds
         self.peers: dict[str, PeerEvidence] = {}
         self.probe_woke: set[str] = set()
         # the reconcile thread's own
@@ -257,7 +284,7 @@ class Supervisor:
         self.policies = {s.replica.name: self._policy(s) for s in shards}
         names = set(self.policies)
         with self.lock:
-            for table in (self.local, self.probes, self.completions):
+            for table in (self.local, self.probes, self.completions, self.readings):
                 for gone in set(table) - names:
                     del table[gone]
         for gone in set(self.memory) - names:
@@ -285,21 +312,26 @@ class Supervisor:
         return ReplicaPolicy(
             name=replica.name, nodes=tuple(n.name for n in replica.nodes),
             rank=shard.plan.rank, serving=shard.serving, stability=check.stability,
-            probe_fresh=check.interval + check.timeout + 1.0,
+            # A result is stamped when its probe started and may arrive a timeout later;
+            # the next one starts an interval after that and may take a timeout too.
+            probe_fresh=check.interval + 2 * check.timeout + 1.0,
             peer_fresh=config.peer_wait + config.peer_timeout + 1.0,
             settle=config.peer_wait + config.peer_timeout + replica.restart.delay + 1.0,
             group_restart=replica.group_restart, require_auth=config.tls is not None,
             follows_leader=replica.engine.follows_leader(len(replica.nodes)),
-            completion_fresh=(check.generation.interval + check.generation.timeout + 1.0
-                              if check.generation is not None else None))
+            completion_fresh=(check.generation.interval + 2 * check.generation.timeout + 1.0
+                              if check.generation is not None else None),
+            stall_after=float(check.stall_after) if _reads_progress(shard) else 0.0)
 
     def _sync_threads(self) -> None:
         """One prober per serving shard, one fetcher per peer node: started and stopped
         as the spec changes."""
         wanted_probes = {(s.replica.name, kind): s for s in self.shards
                          if s.serving and s.replica.http is not None
-                         for kind in (HEALTH, GENERATION)
-                         if kind == HEALTH or s.replica.health.generation is not None}
+                         for kind in KINDS
+                         if kind == HEALTH
+                         or (kind == GENERATION and s.replica.health.generation is not None)
+                         or (kind == PROGRESS and _reads_progress(s))}
         wanted_peers = {(n.name, n.address) for s in self.shards
                         for rank, n in enumerate(s.replica.nodes) if rank != s.plan.rank}
         for name in list(self.probers):
@@ -346,6 +378,18 @@ class Supervisor:
         with self.lock:
             (self.completions if kind == GENERATION else self.probes)[replica] = evidence
             self.probe_woke.add(replica)
+        self.wake.set()
+
+    def add_reading(self, replica: str, reading: ProgressReading) -> None:
+        """One metrics reading of a serving rank: kept with the readings of the same
+        generation, as far back as a verdict needs (progress.keep)."""
+        policy = self.policies.get(replica)
+        stall_after = policy.stall_after if policy is not None else 0.0
+        with self.lock:
+            kept = [r for r in self.readings.get(replica, ())
+                    if r.generation == reading.generation]
+            self.readings[replica] = keep((*kept, reading), now=reading.taken_at,
+                                          stall_after=stall_after)
         self.wake.set()
 
     def add_peer(self, evidence: PeerEvidence) -> None:
@@ -479,7 +523,7 @@ class Supervisor:
                        if name in self.local and self.local[name].generation != e.generation]
             self.local.update(evidence)
         for name in changed:  # a new start of the engine: probe it now, not in a while
-            for kind in (HEALTH, GENERATION):
+            for kind in KINDS:
                 prober = self.probers.get((name, kind))
                 if prober is not None:
                     prober.poke.set()
@@ -489,7 +533,7 @@ class Supervisor:
         a death is published without rebuilding every other replica's answer)."""
         with self.lock:
             local, probes, peers = dict(self.local), dict(self.probes), dict(self.peers)
-            completions = dict(self.completions)
+            completions, readings = dict(self.completions), dict(self.readings)
         for shard in self.shards:
             name = shard.replica.name
             if only is not None and name not in only:
@@ -498,12 +542,14 @@ class Supervisor:
             verdict = judge(policy, self.memory.get(name, Memory()), local=local.get(name),
                             systemd_error=self.bus_error, probe=probes.get(name),
                             completion=completions.get(name),
-                            peers=peers, now=now)
+                            progress=readings.get(name, ()), peers=peers, now=now)
             self.memory[name] = verdict.memory
             self.verdicts[name] = verdict
             for note in verdict.notes:
                 log(note)
-            for _restart in verdict.actions:  # RestartShard is the only action
+            for restart in verdict.actions:  # RestartShard is the only action
+                if restart.cause == STALL:
+                    self.metrics.stall_restarts.inc(name)
                 target = shard.plan.target.name
                 try:
                     self.bus.restart(target)
@@ -537,6 +583,11 @@ class Supervisor:
                        "reason": r.reason} for r in verdict.ranks],
             "group_restarts": recent, "next_restart": verdict.next_restart,
             "settled": verdict.settled,
+            # this node's serving rank, from its engine's progress (docs/supervisor.md)
+            "busy": verdict.liveness is not None and verdict.liveness.verdict == BUSY,
+            "progress": ({"verdict": verdict.liveness.verdict,
+                          "reason": verdict.liveness.reason}
+                         if verdict.liveness is not None else None),
             "systemd": "unreachable: " + self.bus_error if self.bus_error else "ok",
         })
         figures = ReplicaFigures(name, verdict.health.state, recent, shard.plan.rank,

@@ -6,7 +6,7 @@ import http.client
 import json
 import time
 
-from llmgw_systemd.health.rules import Probe
+from llmgw_systemd.health.rules import NO_ANSWER, Probe
 
 WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # noqa: S104 - a bind address, not a target
 
@@ -20,7 +20,8 @@ BODY_MAX = 65536  # bytes of an answer read; more is not a health answer
 
 
 def _request(host: str, port: int, method: str, path: str, timeout: float,
-             body: bytes | None = None) -> tuple[int, bytes, float] | Probe:
+             body: bytes | None = None, limit: int = BODY_MAX
+             ) -> tuple[int, bytes, float] | Probe:
     """One request within timeout: (status, body, milliseconds), or why it failed."""
     started = time.monotonic()
     headers = {"User-Agent": "llmgw-supervisor"}
@@ -30,9 +31,9 @@ def _request(host: str, port: int, method: str, path: str, timeout: float,
     try:
         conn.request(method, path, body=body, headers=headers)
         response = conn.getresponse()
-        raw = response.read(BODY_MAX + 1)
+        raw = response.read(limit + 1)
     except TimeoutError:
-        return Probe(False, f"no answer within {timeout:g} s")
+        return Probe(False, f"{NO_ANSWER} {timeout:g} s")
     except OSError as exc:
         return Probe(False, exc.strerror or str(exc) or type(exc).__name__)
     except http.client.HTTPException as exc:
@@ -66,7 +67,7 @@ def completion_probe(host: str, port: int, model: str | None, timeout: float) ->
         return answer
     status, raw, took = answer
     if took > timeout * 1000:
-        return Probe(False, f"no answer within {timeout:g} s")
+        return Probe(False, f"{NO_ANSWER} {timeout:g} s")
     if status != 200:
         return Probe(False, f"HTTP {status} in {took:.0f} ms")
     try:
@@ -76,3 +77,21 @@ def completion_probe(host: str, port: int, model: str | None, timeout: float) ->
     if not isinstance(choices, list) or not choices:
         return Probe(False, f"HTTP 200 without a completion in {took:.0f} ms")
     return Probe(True, f"answered in {took:.0f} ms")
+
+
+METRICS_MAX = 4 * 1024 * 1024  # bytes of a metrics page (engine_metrics.MAX_METRICS_BYTES)
+
+
+def metrics_fetch(host: str, port: int, path: str, timeout: float) -> str | Probe:
+    """GET the engine's metrics page: its text, or why not (a Probe that failed)."""
+    answer = _request(host, port, "GET", path, timeout, limit=METRICS_MAX)
+    if isinstance(answer, Probe):
+        return answer
+    status, raw, took = answer
+    if took > timeout * 1000:  # a slow drip of bytes is no answer either
+        return Probe(False, f"{NO_ANSWER} {timeout:g} s")
+    if status != 200:
+        return Probe(False, f"HTTP {status} in {took:.0f} ms")
+    if len(raw) > METRICS_MAX:
+        return Probe(False, f"metrics page over {METRICS_MAX // 1024} KiB")
+    return raw.decode("utf-8", "replace")

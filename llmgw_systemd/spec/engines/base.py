@@ -104,6 +104,17 @@ class Http(NamedTuple):
     host: str
     port: int
     model: str | None
+    progress: ProgressSeries | None = None  # None: no stall detection (no metrics)
+
+
+class ProgressSeries(NamedTuple):
+    """Where an engine says it is making progress (docs/supervisor.md, "Stalls"): the
+    metrics path on its HTTP port, sample names whose sum is a counter that moves on
+    every engine step, and sample names whose sum is the requests running and waiting."""
+
+    path: str
+    steps: tuple[str, ...]
+    pending: tuple[str, ...]
 
 
 class PortClaim(NamedTuple):

@@ -3,14 +3,22 @@ engine; for anything the other engines do not cover, and for the test stand-ins.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from llmgw_systemd.spec.document import KeyPath
 from llmgw_systemd.spec.endpoint import Endpoint
-from llmgw_systemd.spec.engines.base import EngineEntry, Http, PortClaim, Step, wildcard
-from llmgw_systemd.spec.keys import REQUIRED, Key, integer, matching, tcp_port
+from llmgw_systemd.spec.engines.base import (
+    EngineEntry,
+    Http,
+    PortClaim,
+    ProgressSeries,
+    Step,
+    wildcard,
+)
+from llmgw_systemd.spec.keys import REQUIRED, Key, integer, matching, read_all, tcp_port
 from llmgw_systemd.spec.names import is_word
 from llmgw_systemd.spec.reader import Reader
 
@@ -146,7 +154,44 @@ SERVING_RANK: Key[int | None] = Key(
     "which rank serves HTTP (`null`: none)", null=None)
 PORT: Key[int | None] = Key("port", tcp_port, None, "HTTP port of the serving rank",
                             shown="required with a serving rank")
-KEYS = (RANKS, SERVING_RANK, PORT)
+# A Prometheus sample name: what a progress series may name (no labels: they are summed).
+SAMPLE_NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]{0,199}\Z")
+
+
+def read_metrics_path(reader: Reader, value: Any, path: KeyPath) -> str:
+    text = reader.string(value, path, "an HTTP path such as /metrics", max_len=200)
+    if not text.startswith("/") or any(c in text for c in " ?#") or not text.isprintable():
+        raise reader.fail(path, f"expected an HTTP path such as /metrics; got '{text}'")
+    return text
+
+
+def read_samples(reader: Reader, value: Any, path: KeyPath) -> tuple[str, ...]:
+    items = reader.sequence(value, path, "Prometheus sample names", min_len=1, max_len=16)
+    return tuple(reader.matching(item, (*path, i), SAMPLE_NAME_RE,
+                                 "a Prometheus sample name such as my_steps_total")
+                 for i, item in enumerate(items))
+
+
+PROGRESS_KEYS = (
+    Key("path", read_metrics_path, "/metrics", "the serving rank's metrics page"),
+    Key("steps", read_samples, REQUIRED, "sample names whose sum moves on every step of "
+        "the engine (a counter)"),
+    Key("pending", read_samples, REQUIRED, "sample names whose sum is the requests "
+        "running and waiting"),
+)
+
+
+def read_progress(reader: Reader, value: Any, path: KeyPath) -> ProgressSeries | None:
+    return ProgressSeries(**read_all(reader, PROGRESS_KEYS, value, path))
+
+
+PROGRESS: Key[ProgressSeries | None] = Key(
+    "progress", read_progress, None, "where the serving rank says it makes progress: "
+    "`{path: /metrics, steps: [...], pending: [...]}` (Prometheus text); with it, work "
+    "pending and no step for `health.stall_after` restarts the replica, and a busy engine "
+    "stays ready (docs/supervisor.md, \"Stalls\"); without, only the generation check "
+    "counts", shown="none")
+KEYS = (RANKS, SERVING_RANK, PORT, PROGRESS)
 
 
 def read(reader: Reader, data: Mapping[str, Any], path: KeyPath, nodes: tuple[Node, ...]
@@ -166,8 +211,12 @@ def read(reader: Reader, data: Mapping[str, Any], path: KeyPath, nodes: tuple[No
     if serving_rank is None and http_port is not None:
         raise reader.fail((*path, "port"), "a port is set but serving_rank is null; "
                           "say which rank serves HTTP")
+    progress = PROGRESS.read(reader, data, path)
+    if progress is not None and serving_rank is None:
+        raise reader.fail((*path, "progress"), "progress is read from the serving rank, "
+                          "but serving_rank is null")
     serving = None if serving_rank is None or http_port is None else Http(
-        serving_rank, HOST, http_port, None)
+        serving_rank, HOST, http_port, None, progress)
     return Commands(ranks, serving)
 
 

@@ -18,6 +18,7 @@ from llmgw_systemd.spec.engines.base import (
     EngineEntry,
     Http,
     PortClaim,
+    ProgressSeries,
     Step,
     uses_rendezvous,
     wildcard,
@@ -29,6 +30,11 @@ if TYPE_CHECKING:
     from llmgw_systemd.spec.model import Node
 
 HTTP_PORT = 30000
+# SGLang's /metrics (served with --enable-metrics): realtime_tokens_total moves on every
+# prefill batch and every decode log interval (40 steps by default); the running and
+# queued requests are gauges (sglang/srt/observability/metrics_collector.py, 0.5.23).
+PROGRESS = ProgressSeries("/metrics", ("sglang:realtime_tokens_total",),
+                          ("sglang:num_running_reqs", "sglang:num_queue_reqs"))
 RENDEZVOUS_PORT = 20000
 
 
@@ -42,7 +48,9 @@ class Sglang:
 
     @property
     def http(self) -> Http:
-        return self.server.http()
+        # SGLang serves /metrics only with --enable-metrics: without, no stall detection
+        metrics = "--enable-metrics" in self.server.args
+        return self.server.http()._replace(progress=PROGRESS if metrics else None)
 
     def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
         server = self.server

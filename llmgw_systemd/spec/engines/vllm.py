@@ -22,6 +22,7 @@ from llmgw_systemd.spec.engines.base import (
     Http,
     KillMode,
     PortClaim,
+    ProgressSeries,
     Step,
     arguments,
     flag_value,
@@ -56,6 +57,10 @@ if TYPE_CHECKING:  # types only: a Protocol costs import time on the render path
 LaunchMode = Literal["ray", "mp"]
 LAUNCH_MODES: tuple[LaunchMode, ...] = ("ray", "mp")
 HTTP_PORT = 8000
+# vLLM's own /metrics on the serving rank: the iteration-tokens histogram gets one
+# observation per engine step, so its _count is a step counter (docs/supervisor.md).
+PROGRESS = ProgressSeries("/metrics", ("vllm:iteration_tokens_total_count",),
+                          ("vllm:num_requests_running", "vllm:num_requests_waiting"))
 RENDEZVOUS_PORT: dict[LaunchMode, int] = {"ray": 6379, "mp": 29500}
 RayAuth = Literal["disabled", "token"]
 RAY_AUTH_MODES: tuple[RayAuth, ...] = ("disabled", "token")
@@ -163,7 +168,7 @@ class Vllm:
 
     @property
     def http(self) -> Http:
-        return self.server.http()
+        return self.server.http()._replace(progress=PROGRESS)
 
     def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
         return self.launch.steps(self, replica, nodes, rank)

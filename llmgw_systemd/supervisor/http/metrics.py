@@ -116,6 +116,7 @@ class SupervisorMetrics(Collector):
         self.completion_seconds = Latencies()
         self.peer_failures = Counts()  # (peer, kind)
         self.ignored_reports = Counts()  # (replica,)
+        self.stall_restarts = Counts()  # (replica,)
         self.dbus_reads = Counts()  # ()
         self.registry = CollectorRegistry()
         self.registry.register(self)
@@ -153,6 +154,10 @@ class SupervisorMetrics(Collector):
         yield self.ignored_reports.family(
             "llmgw_peer_reports_ignored", "peer reports refused: from a node the rank is not "
             "assigned to, or unauthenticated", ["replica"], keep=lambda k: k[0] in known)
+        yield self.stall_restarts.family(
+            "llmgw_stall_restarts", "group restarts of this node's shard because its serving "
+            "rank stalled: work pending and no engine step for health.stall_after",
+            ["replica"], keep=lambda k: k[0] in known)
         yield GaugeMetricFamily("llmgw_systemd_reachable", "1 when systemd answers over D-Bus",
                                 value=1.0 if figures.systemd_reachable else 0.0)
         yield self.dbus_reads.family("llmgw_dbus_reads", "bulk reads of unit state from "
