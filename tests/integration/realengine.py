@@ -105,13 +105,13 @@ class Completions:
 
 
 def assert_truthful(said: list[tuple[float, str]], answers: list[tuple[float, float, int]],
-                    since: float) -> None:
+                    since: float, notice: float = 1.0) -> None:
     """The supervisor never said ready while completions failed: no failed completion
-    overlaps a moment at which it said ready (after a second to notice the fault), and
-    it said ready again only when completions worked."""
+    overlaps a moment at which it said ready (after `notice` seconds to learn of the
+    fault), and it said ready again only when completions worked."""
     failures = [(start, end) for start, end, status in answers if start > since and status != 200]
     assert failures, "the fault never showed in completions"
-    ready = [t for t, state in said if state == "ready" and t > since + 1.0]
+    ready = [t for t, state in said if state == "ready" and t > since + notice]
     for t in ready:
         overlapping = [(s, e) for s, e in failures if s - 0.5 <= t <= e]
         assert not overlapping, f"said ready at {t - since:.1f} s while completions failed"
