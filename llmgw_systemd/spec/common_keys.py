@@ -209,8 +209,9 @@ def read_paths(reader: Reader, value: Any, path: KeyPath) -> tuple[str, ...]:
                  for i, item in enumerate(items))
 
 
+NO_PATHS: tuple[str, ...] = ()
 READ_WRITE_PATHS = Key(
-    "read_write_paths", read_paths, NO_GROUPS, "folders the units may write beyond their "
+    "read_write_paths", read_paths, NO_PATHS, "folders the units may write beyond their "
     "own state and cache directories (`ReadWritePaths=`), e.g. a model download folder; "
     "everything else is read-only to them")
 # Device groups systemd resolves from /proc/devices when a unit starts (DeviceAllow=
