@@ -110,8 +110,20 @@ def test_stop_timeout_reaches_every_member() -> None:
      {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "35")}),
     # a worker's ray start (KillMode=mixed): the main process first, as mixed does; the
     # head keeps plain mixed (its stop races the leader's restart delay)
+    # the serving rank: a quick stop when it does not answer its health check
     (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 0,
-     {"ray-head": None, "engine": ("/usr/bin/llmgw-stop-group", "--grace", "25")}),
+     {"ray-head": None, "engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--health",
+                                   "http://127.0.0.1:8000/health", "--unserved-grace", "5")}),
+    (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nhost: 10.0.0.1\nport: 9000\n"
+     f"health: {{path: /ping}}\n{TWO_NODES}", 0,
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--health",
+                 "http://10.0.0.1:9000/ping", "--unserved-grace", "5")}),
+    (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nhost: '::'\n{TWO_NODES}", 0,
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--health",
+                 "http://[::1]:8000/health", "--unserved-grace", "5")}),
+    # a grace no longer than the quick one: nothing to shorten
+    (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nstop_timeout: 10\n{TWO_NODES}", 0,
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "5")}),
     (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 1,
      {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--main-first")}),
 ])

@@ -4,10 +4,13 @@ SIGTERM is SIGKILLed after the grace while one that obeys is simply gone."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +36,66 @@ def test_own_cgroups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str,
         (tmp_path / rel / "cgroup.procs").write_text("")
     got = stopgroup.own_cgroups(text)
     assert sorted(str(g.relative_to(tmp_path)) for g in got) == sorted(found)
+
+
+@pytest.mark.parametrize(("grace", "unserved", "serving", "chosen"), [
+    (25, 5, True, 25),  # it answers: it keeps its drain
+    (25, 5, False, 5),  # it does not: nothing to drain
+    (25, None, None, 25),  # no --health: the full grace
+    (3, 5, False, 3),  # never longer than the grace
+])
+def test_chosen_grace(grace: float, unserved: float | None, serving: bool | None,
+                      chosen: float) -> None:
+    assert stopgroup.chosen_grace(grace, unserved, serving) == chosen
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:
+        self.send_response(self.status)
+        self.end_headers()
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("server", "answers"), [
+    ("200", True), ("503", False), ("silent", False), ("closed", False)])
+def test_answers_health_only_with_200_in_time(server: str, answers: bool) -> None:
+    """A real socket each: a server answering 200 or 503, one that accepts and never
+    answers (as vLLM's socket does while the engine still starts), a closed port."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        if server == "silent":
+            listener.listen()
+        if server in ("200", "503"):
+            listener.close()
+            handler = type("H", (_Health,), {"status": int(server)})
+            httpd = http.server.HTTPServer(("127.0.0.1", port), handler)
+            thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+            thread.start()
+            try:
+                got = stopgroup.answers_health(f"http://127.0.0.1:{port}/health", 2.0)
+            finally:
+                httpd.shutdown()
+                httpd.server_close()
+        else:
+            got = stopgroup.answers_health(f"http://127.0.0.1:{port}/health", 0.5)
+    assert got is answers
+
+
+@pytest.mark.parametrize("argv", [
+    ["--grace", "25", "--health", "http://127.0.0.1:1/health"],  # without its grace
+    ["--grace", "25", "--unserved-grace", "5"],  # without its URL
+    ["--grace", "25", "--health", "127.0.0.1:1", "--unserved-grace", "5"],
+    ["--grace", "25", "--health", "http://127.0.0.1:1/", "--unserved-grace", "-1"],
+])
+def test_bad_arguments_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        stopgroup.main(argv)
+    assert exit_.value.code == 2
 
 
 def _cgroup(name: str) -> list[Path]:

@@ -10,7 +10,14 @@ SIGKILL of the main process as a clean exit. It starts fast (standard library on
 systemd runs it on every stop. `systemctl stop` still waits for it, bounded by
 TimeoutStopSec=, which stays the backstop.
 
-    llmgw-stop-group --grace SECONDS [--main-first]
+    llmgw-stop-group --grace SECONDS [--main-first] [--health URL --unserved-grace SECONDS]
+
+--health (the serving rank's unit): a rank that does not answer GET URL with 200 within
+a second when the stop begins has served nothing in this start, or can serve nothing
+now: it has nothing to drain, and gets --unserved-grace instead of --grace. vLLM ignores
+SIGTERM while it waits for its peers or for Ray's placement group, and a stop then took
+the whole grace (25.4 s for an mp rank 0, 27.0 s for a Ray leader; docs/engines.md). A
+rank that answers keeps its drain.
 
 --main-first is KillMode=mixed's order, for `ray start` units: the main process alone
 gets SIGTERM and stops its own children (a Ray head signalled together with its GCS
@@ -26,10 +33,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import os
 import signal
 import sys
 import time
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,6 +48,7 @@ PROG = "llmgw-stop-group"
 CGROUP_FS = Path("/sys/fs/cgroup")
 POLL = 0.1  # seconds between looks at the group
 KILL_WAIT = 5.0  # seconds for SIGKILLed processes to be reaped
+HEALTH_TIMEOUT = 1.0  # seconds a serving rank has to answer its health check at the stop
 
 
 def own_cgroups(proc_self_cgroup: str) -> list[Path]:
@@ -126,6 +136,28 @@ def _running(pid: int, groups: Sequence[Path]) -> bool:
         return False
 
 
+def answers_health(url: str, timeout: float = HEALTH_TIMEOUT) -> bool:
+    """Whether GET url answers HTTP 200 within timeout (connect and answer)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or parts.hostname is None:
+        return False
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", parts.path or "/", headers={"User-Agent": PROG})
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+def chosen_grace(grace: float, unserved_grace: float | None, serving: bool | None) -> float:
+    """The grace of this stop: the full one unless the unit is known not to serve."""
+    if unserved_grace is None or serving is None or serving:
+        return grace
+    return min(grace, unserved_grace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The arguments (also read by scripts/manpages.py for the man page and completion)."""
     parser = argparse.ArgumentParser(
@@ -137,24 +169,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--main-first", action="store_true",
                         help="SIGTERM only the main process ($MAINPID), as KillMode=mixed "
                         "does; SIGKILL the group if it outlives the grace")
+    parser.add_argument("--health", metavar="URL",
+                        help="the unit's own health check (http://HOST:PORT/PATH): if it "
+                        "does not answer 200 within a second, the stop uses "
+                        "--unserved-grace")
+    parser.add_argument("--unserved-grace", type=float, metavar="SECONDS",
+                        help="seconds between SIGTERM and SIGKILL for a unit that does "
+                        "not answer --health (nothing to drain)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 0 <= args.grace <= 86400:
-        parser.error("--grace must be 0 to 86400 seconds")
+    for name in ("grace", "unserved_grace"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value <= 86400:
+            parser.error(f"--{name.replace('_', '-')} must be 0 to 86400 seconds")
+    if (args.health is None) != (args.unserved_grace is None):
+        parser.error("--health and --unserved-grace go together")
+    if args.health is not None and not args.health.startswith("http://"):
+        parser.error(f"--health: expected http://HOST:PORT/PATH; got '{args.health}'")
     groups = own_cgroups(Path("/proc/self/cgroup").read_text())
     if not groups:
         print(f"{PROG}: cannot find this unit's control group", file=sys.stderr)
         sys.exit(1)
+    # asked before any signal: once SIGTERMed, a serving rank stops answering
+    serving = answers_health(args.health) if args.health is not None else None
+    grace = chosen_grace(args.grace, args.unserved_grace, serving)
+    if grace < args.grace:
+        print(f"{PROG}: {args.health} does not answer: nothing to drain, SIGKILL after "
+              f"{grace:g} s", flush=True)
     if args.main_first:
         main_pid = os.environ.get("MAINPID", "")
         if not main_pid.isdigit() or int(main_pid) <= 1:
             sys.exit(0)  # no main process any more: systemd's KillMode= ends the rest
-        sys.exit(0 if stop_main_first(groups, int(main_pid), args.grace) else 1)
-    sys.exit(0 if stop_group(groups, args.grace) else 1)
+        sys.exit(0 if stop_main_first(groups, int(main_pid), grace) else 1)
+    sys.exit(0 if stop_group(groups, grace) else 1)
 
 
 if __name__ == "__main__":

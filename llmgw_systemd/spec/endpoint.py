@@ -55,3 +55,11 @@ def is_host(text: str) -> bool:
     if len(text) > 253 or text.replace(".", "").isdigit():
         return False
     return all(HOSTNAME_LABEL_RE.match(label) for label in text.rstrip(".").split("."))
+
+
+WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # noqa: S104 - a bind address, not a target
+
+
+def local_address(bind_host: str) -> str:
+    """Where to reach, from its own node, a server bound to bind_host."""
+    return WILDCARDS.get(bind_host, bind_host)

@@ -34,6 +34,7 @@ from llmgw_systemd.health.rules import READY
 from llmgw_systemd.health.unit_state import UnitState
 from llmgw_systemd.helpers.sd_notify import notify, watchdog_interval
 from llmgw_systemd.spec.document import Document
+from llmgw_systemd.spec.endpoint import local_address
 from llmgw_systemd.spec.files import read_each, spec_files
 from llmgw_systemd.spec.model import Spec
 from llmgw_systemd.spec.replicas import collect_spec, keep_last_good
@@ -46,7 +47,6 @@ from llmgw_systemd.supervisor.probes import (
     completion_probe,
     http_probe,
     metrics_fetch,
-    probe_address,
 )
 from llmgw_systemd.supervisor.rate_limited_log import RateLimitedLog
 from llmgw_systemd.supervisor.shard_reader import LocalShard, local_shards
@@ -124,7 +124,7 @@ class Prober:
         interval = check.interval if self.kind == GENERATION and check else \
             replica.health.interval
         while not self.stop.is_set() and http is not None:
-            host, port = probe_address(http.host), http.port
+            host, port = local_address(http.host), http.port
             generation = sup.generation_of(replica.name)
             if generation:
                 started = time.monotonic()

@@ -8,14 +8,6 @@ import time
 
 from llmgw_systemd.health.rules import NO_ANSWER, Probe
 
-WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # noqa: S104 - a bind address, not a target
-
-
-def probe_address(bind_host: str) -> str:
-    """Where to probe a server bound to bind_host from its own node."""
-    return WILDCARDS.get(bind_host, bind_host)
-
-
 BODY_MAX = 65536  # bytes of an answer read; more is not a health answer
 
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from llmgw_systemd.health.rules import Health, Probe, shard_health
 from llmgw_systemd.health.unit_state import UnitState
+from llmgw_systemd.spec.endpoint import local_address
 from llmgw_systemd.spec.model import Replica, Spec
-from llmgw_systemd.supervisor.probes import http_probe, probe_address
+from llmgw_systemd.supervisor.probes import http_probe
 from llmgw_systemd.supervisor.systemd_bus import SystemdBus
 from llmgw_systemd.units.plan import Manager, ShardPlan, plan_node
 
@@ -56,7 +57,7 @@ def probe_shard(shard: LocalShard) -> Probe | None:
     http = replica.http
     if not shard.serving or http is None:
         return None
-    return http_probe(probe_address(http.host), http.port, replica.health.path,
+    return http_probe(local_address(http.host), http.port, replica.health.path,
                       replica.health.timeout)
 
 

@@ -30,7 +30,7 @@ from llmgw_systemd.spec.common_keys import (
     ROOT_USERS,
     SERVICE_ACCOUNT,
 )
-from llmgw_systemd.spec.endpoint import Endpoint
+from llmgw_systemd.spec.endpoint import Endpoint, local_address
 from llmgw_systemd.spec.engines.base import KillMode, Step
 from llmgw_systemd.spec.model import Replica, Spec
 from llmgw_systemd.spec.policies import RestartPolicy
@@ -43,6 +43,7 @@ SLEEP = "/usr/bin/sleep"  # coreutils, at this path on Debian and RHEL alike
 # its own deadline and systemd's timeout is only a backstop.
 START_TIMEOUT_MARGIN = 30
 STOP_MARGIN = 5  # seconds of TimeoutStopSec= left after llmgw-stop-group's grace
+UNSERVED_GRACE = 5  # seconds of SIGTERM for a serving rank that does not answer /health
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,8 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             timeout_stop_sec=replica.stop_timeout,
             kill_mode=step.kill_mode,
             success_exit_status=(*step.clean_exit_statuses, *step.clean_exit_signals),
-            exec_stop=_exec_stop(manager, step, replica.stop_timeout),
+            exec_stop=_exec_stop(manager, step, replica.stop_timeout,
+                                 health_url(replica) if is_engine and serves else None),
             notify_status=bool(pre),
             sandbox=sandbox,
             state_directory=directory,
@@ -280,12 +282,27 @@ def device_allow(devices: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _exec_stop(manager: Manager, step: Step, stop_timeout: int) -> tuple[str, ...] | None:
+def _exec_stop(manager: Manager, step: Step, stop_timeout: int, health: str | None
+               ) -> tuple[str, ...] | None:
     if not step.stop_with_grace:
         return None
+    grace = stop_grace(stop_timeout)
     # KillMode=mixed means "the main process first": llmgw-stop-group keeps that order
     main_first = ("--main-first",) if step.kill_mode == "mixed" else ()
-    return (manager.stop_group, "--grace", str(stop_grace(stop_timeout)), *main_first)
+    # the serving rank drains only what it serves: one that does not answer its health
+    # check at the stop (still starting, blocked at its rendezvous) stops quickly
+    quick = (() if health is None or grace <= UNSERVED_GRACE
+             else ("--health", health, "--unserved-grace", str(UNSERVED_GRACE)))
+    return (manager.stop_group, "--grace", str(grace), *main_first, *quick)
+
+
+def health_url(replica: Replica) -> str | None:
+    """The serving rank's health check as its own node reaches it."""
+    http = replica.http
+    if http is None:
+        return None
+    host = local_address(http.host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{http.port}{replica.health.path}"
 
 
 def stop_grace(stop_timeout: int) -> int:

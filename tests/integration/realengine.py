@@ -18,6 +18,8 @@ MODEL = CACHE / "tiny-llama-v1"
 VLLM_VERSION = "0.32.0"
 # Offline, a small KV cache, and the model's own limits (docs/engines.md).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# what llmgw-stop-group prints when the serving rank does not answer /health at a stop
+QUICK_STOP = "does not answer: nothing to drain"
 ENGINE_ARGS = '[--max-model-len, "256", --enforce-eager, --dtype, float32]'
 
 # Runs inside a node's namespace: one completion; prints the HTTP status (0: no answer).

@@ -18,6 +18,7 @@ import pytest
 from realengine import (
     ENGINE_ARGS,
     MODEL,
+    QUICK_STOP,
     VENV,
     Completions,
     assert_engines,
@@ -146,9 +147,15 @@ def test_mp_stop_during_start_up(
     leader.systemctl("start", TARGET)
     leader.wait_state(ENGINE, "active", 30)
     time.sleep(12)  # inside the wait for rank 1 (its distributed timeout is 60 s)
+    stopping = time.monotonic()
     leader.systemctl("stop", TARGET)
+    print(f"figure: rank 0 stopped at its rendezvous in {time.monotonic() - stopping:.1f} s")
+    # it ignores SIGTERM there and never served: SIGKILL after the short grace, not 25 s
+    assert QUICK_STOP in (leader.log_dir / f"{ENGINE}.log").read_text(errors="replace")
     worker.systemctl("start", TARGET)
     worker.wait_state(ENGINE, "active", 30)
     time.sleep(12)  # inside its retries of the master port
+    stopping = time.monotonic()
     worker.systemctl("stop", TARGET)
+    print(f"figure: rank 1 stopped in its retries in {time.monotonic() - stopping:.1f} s")
     assert_stopped((leader, worker), master)

@@ -18,6 +18,7 @@ import pytest
 from realengine import (
     ENGINE_ARGS,
     MODEL,
+    QUICK_STOP,
     VENV,
     Completions,
     assert_engines,
@@ -141,6 +142,11 @@ def test_ray_stop_during_start_up(
     leader.wait_state(ENGINE, "active", 60)
     time.sleep(8)  # well inside start-up: /health comes 20 s or more after the cluster
     assert complete(leader, base, timeout=2) != 200
+    stopping = time.monotonic()
     leader.systemctl("stop", TARGET)
+    print(f"figure: the leader stopped in start-up in {time.monotonic() - stopping:.1f} s")
+    assert QUICK_STOP in (leader.log_dir / f"{ENGINE}.log").read_text(errors="replace")
+    stopping = time.monotonic()
     worker.systemctl("stop", TARGET)
+    print(f"figure: the worker stopped in {time.monotonic() - stopping:.1f} s")
     assert_stopped(leader, worker, head)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from realengine import MODEL, OFFLINE, VENV, assert_engines
+from realengine import MODEL, OFFLINE, QUICK_STOP, VENV, assert_engines
 from specs import free_port, write
 from systemd_harness import UserManager, port_is_free, wait_until
 
@@ -88,6 +88,8 @@ def test_start_complete_stop(tiny: tuple[UserManager, int]) -> None:
     assert status == 200 and isinstance(answer, dict) and answer["choices"], answer
     manager.systemctl("stop", TARGET)
     assert_clean_stop(manager, port)
+    # it served: the stop kept its drain
+    assert QUICK_STOP not in (manager.log_dir / f"{ENGINE}.log").read_text(errors="replace")
 
 
 def test_stop_during_start_up(tiny: tuple[UserManager, int]) -> None:
@@ -96,5 +98,9 @@ def test_stop_during_start_up(tiny: tuple[UserManager, int]) -> None:
     wait_until(lambda: manager.state_of(ENGINE)[0] == "active", 60, "the engine to run")
     time.sleep(5)  # well inside vLLM's start-up (its /health comes after 20 s or more)
     assert http(f"http://127.0.0.1:{port}/health", timeout=2)[0] != 200
+    stopping = time.monotonic()
     manager.systemctl("stop", TARGET)
+    print(f"figure: stop 5 s into start-up took {time.monotonic() - stopping:.1f} s")
     assert_clean_stop(manager, port)
+    # it never served: nothing to drain, so no wait for a grace it would ignore
+    assert QUICK_STOP in (manager.log_dir / f"{ENGINE}.log").read_text(errors="replace")
