@@ -140,6 +140,18 @@ def make_network(tag: str, count: int) -> list[Netns]:
     return nodes
 
 
+def set_link(netns: Netns, connected: bool) -> None:
+    """Cut a node off the bridge, or join it again: its end of the link stays up (no
+    carrier change, no error for the node's sockets), and what it sends reaches nobody,
+    as when a switch port or the fabric between two nodes fails."""
+    tag, _, index = netns.name.removeprefix("llmgw-").rpartition("-")
+    hub, port = f"llmgw-{tag}-hub", f"lg{tag}{index}b"
+    if connected:
+        _ip("-n", hub, "link", "set", port, "master", "br0")
+    else:
+        _ip("-n", hub, "link", "set", port, "nomaster")
+
+
 def remove_network(tag: str) -> None:
     for name in list_netns():
         if name.startswith(f"llmgw-{tag}-"):

@@ -92,13 +92,16 @@ ROWS = {
         Http(0, "0.0.0.0", 8000, "/m", vllm.PROGRESS), (web(0, 8000),),
         frozenset({"VLLM_HOST_IP"}),
         False),
+    # its /health generates a token: a failing /health is work owed (docs/supervisor.md)
     "sglang, two nodes: no --enable-metrics, so no progress to read": Row(
         f"engine: sglang\nmodel: /m\nhost: 127.0.0.1\n{TWO_NODES}",
-        {0: ("engine",), 1: ("engine",)}, Http(0, "127.0.0.1", 30000, "/m"),
+        {0: ("engine",), 1: ("engine",)},
+        Http(0, "127.0.0.1", 30000, "/m", generating_paths=sglang.GENERATING_PATHS),
         (web(0, 30000), meet(20000)), frozenset(), True),
     "sglang with --enable-metrics: its progress series": Row(
         f"engine: sglang\nmodel: /m\nargs: [--enable-metrics]\n{ONE_NODE}",
-        {0: ("engine",)}, Http(0, "0.0.0.0", 30000, "/m", sglang.PROGRESS),
+        {0: ("engine",)}, Http(0, "0.0.0.0", 30000, "/m", sglang.PROGRESS,
+                               sglang.GENERATING_PATHS),
         (web(0, 30000),), frozenset(), False),
     "command: its own sequences; the serving command's bind is its HTTP claim": Row(
         COMMANDS_2, {0: ("engine",), 1: ("side", "engine")}, Http(0, "0.0.0.0", 9000, None),

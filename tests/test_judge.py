@@ -31,6 +31,7 @@ POLICY = ReplicaPolicy(name="rep", nodes=("a", "b"), rank=0, serving=True, stabi
 WORKER = replace(POLICY, rank=1, serving=False)
 GENERATING = replace(POLICY, completion_fresh=12)  # the generation check is on
 FOLLOWER = replace(WORKER, follows_leader=True)  # rank 1 of vLLM/SGLang: joined rank 0
+REJOINING = replace(FOLLOWER, rejoin_after=30)  # stop_timeout + settle
 
 
 def units(active: str = "active", sub: str = "running", *, gen: str = GEN,
@@ -75,8 +76,9 @@ def peer(source: str, *shards: PeerShard, age: float = 1, authenticated: bool = 
 
 
 def shard(rank: int, node: str, state: State = READY, gen: str = "cc" * 16,
-          replica: str = "rep") -> PeerShard:
-    return PeerShard(replica, rank, node, state, f"{state} as {node} says", gen)
+          replica: str = "rep", up_for: int | None = None) -> PeerShard:
+    return PeerShard(replica, rank, node, state, f"{state} as {node} says", gen,
+                     up_for=up_for)
 
 
 B_READY = peer("b", shard(1, "b"))
@@ -214,6 +216,23 @@ CASES = [
     Case("rank 0 unheard of is no stop (a partition is not an order)", policy=FOLLOWER,
          memory=Memory(failing_since=NOW - 5), peers={"a": peer("a", error="refused")},
          state=DEGRADED, reason="unreachable"),
+    # rank 0 started again long after this rank did (its end missed): a broken half
+    Case("rank 0's engine started 59 s after ours (heard 1 s ago): restart to join it",
+         policy=REJOINING, local=units(up_for=100), memory=Memory(failing_since=NOW - 5),
+         peers={"a": peer("a", shard(0, "a", STARTING, up_for=40))}, state=DEGRADED,
+         reason="rank 0 on a started again 59 s after this rank did", restarts=1),
+    Case("within stop_timeout + settle of ours: the same group restart, nothing to do",
+         policy=REJOINING, local=units(up_for=100), memory=Memory(failing_since=NOW - 5),
+         peers={"a": peer("a", shard(0, "a", STARTING, up_for=85))}, state=STARTING),
+    Case("rank 0 older than ours: we joined it, ready", policy=REJOINING,
+         local=units(up_for=100), peers={"a": peer("a", shard(0, "a", up_for=300))},
+         reason="all 2 ranks ready"),
+    Case("a peer that does not say how long (an older version): no rejoin",
+         policy=REJOINING, local=units(up_for=100), memory=Memory(failing_since=NOW - 5),
+         peers={"a": peer("a", shard(0, "a", STARTING))}, state=STARTING),
+    Case("a command replica's ranks follow no leader: left alone",
+         policy=replace(WORKER, rejoin_after=30), local=units(up_for=100),
+         peers={"a": peer("a", shard(0, "a", STARTING, up_for=40))}, state=STARTING),
     Case("a command replica's rank 0 stopped: its other ranks are left alone",
          policy=WORKER, memory=Memory(failing_since=NOW - 5),
          peers={"a": peer("a", shard(0, "a", STOPPED))}, state=DEGRADED,
@@ -257,6 +276,18 @@ CASES = [
     Case("readings of an earlier start say nothing", policy=STALLING, memory=SERVED,
          completion=COMPLETION_TIMEOUT, progress=progress(steps=0, pending=1, gen=OLD_GEN),
          state=DEGRADED, reason="a one-token completion failed"),
+    # SGLang's /health asks for a token itself: while it fails, its request is owed work
+    Case("frozen SGLang with idle gauges: its /health times out for stall_after: stalled",
+         policy=replace(POLICY, stall_after=120, health_generates=True),
+         memory=replace(SERVED, failing_since=NOW - 10, check_failing=(GEN, NOW - 125)),
+         probe=ProbeEvidence(False, "no answer within 2 s", GEN, NOW - 1),
+         progress=progress(steps=0, pending=0), state=FAILED,
+         reason="stalled: 1 request(s) pending and no engine step", restarts=1,
+         cause=STALL),
+    Case("the same /health failing, but it does not generate: idle, only degraded",
+         policy=replace(POLICY, stall_after=120), memory=replace(SERVED, failing_since=NOW - 10),
+         probe=ProbeEvidence(False, "no answer within 2 s", GEN, NOW - 1),
+         progress=progress(steps=0, pending=0), state=DEGRADED, reason="no answer"),
     Case("a non-serving rank reads no progress", policy=replace(WORKER, stall_after=120),
          peers={"a": peer("a", shard(0, "a"))}, progress=progress(steps=0, pending=1),
          reason="all 2 ranks ready"),

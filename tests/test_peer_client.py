@@ -236,6 +236,18 @@ def test_good_answer(serve: Callable[..., Server], framing: str) -> None:
     assert server.connections == 1
 
 
+@pytest.mark.parametrize(("clock", "started", "up_for"), [
+    (1000, 958, 42), (1000, 1000, 0),
+    (1000, None, None),  # its engine is not running
+    (None, 958, None),  # no clock to read it against
+])
+def test_how_long_a_peer_engine_has_run(serve: Callable[..., Server], clock: int | None,
+                                        started: int | None, up_for: int | None) -> None:
+    """The answer's clock minus the shard's start, both on the peer's own clock."""
+    server = serve(answer({**REPORT, "clock": clock, "shards": [{**SHARD, "started": started}]}))
+    assert fetch(server).shards[0].up_for == up_for
+
+
 def test_empty_report_and_empty_generation(serve: Callable[..., Server]) -> None:
     server = serve(answer({"node": "gpu-a2", "version": 0, "shards": [
         {**SHARD, "generation": "", "state": "stopped", "serving": True}]}))
@@ -437,9 +449,9 @@ MALFORMED = [
     ("not UTF-8", b'{"node": "\xff"}', "not UTF-8"),
     ("empty body", b"", "not JSON"),
     # the spec's own reader (spec/reader.py) checks the wire format: its messages
-    ("a list", [SHARD], "top level: expected a mapping with keys node, version, shards; "
+    ("a list", [SHARD], "top level: expected a mapping with keys node, version, shards, clock; "
      "got a list"),
-    ("a string", "ready", "top level: expected a mapping with keys node, version, shards; "
+    ("a string", "ready", "top level: expected a mapping with keys node, version, shards, clock; "
      "got a string ('ready')"),
     ("missing node", {"version": 1, "shards": []}, "top level: missing required key 'node'"),
     ("bad node", {**REPORT, "node": "gpu a2"}, "node: expected a node name; got 'gpu a2'"),
@@ -458,7 +470,14 @@ MALFORMED = [
      "shards: expected at most 1000 shards; got 1001"),
     ("shard not an object", {**REPORT, "shards": [SHARD, 3]},
      "shards[1]: expected a mapping with keys replica, rank, node, state, reason, generation, "
-     "serving; got a number (3)"),
+     "serving, started; got a number (3)"),
+    ("started negative", {**REPORT, "clock": 50, "shards": [{**SHARD, "started": -1}]},
+     "shards[0].started: expected when its engine started"),
+    ("started not a number", {**REPORT, "clock": 50, "shards": [{**SHARD, "started": "x"}]},
+     "shards[0].started: expected when its engine started"),
+    ("started after the clock", {**REPORT, "clock": 50, "shards": [{**SHARD, "started": 51}]},
+     "shards[0].started: expected a time no later than the answer's clock (50); got 51"),
+    ("clock not a number", {**REPORT, "clock": "now"}, "clock: expected seconds"),
     ("rank a string", {**REPORT, "shards": [SHARD, SHARD, {**SHARD, "rank": "x"}]},
      "shards[2].rank: expected a rank (an integer from 0 to 2147483647); got a string ('x')"),
     ("negative rank", report_with(rank=-1),

@@ -108,10 +108,13 @@ def _cgroup(name: str) -> list[Path]:
     return groups
 
 
-@pytest.mark.parametrize(("ignores_term", "killed"), [(True, True), (False, False)])
+@pytest.mark.parametrize(("ignores_term", "frozen", "killed"), [
+    (True, False, True), (False, False, False),
+    (False, True, False),  # SIGSTOPped (a frozen rank): SIGCONT lets it act on SIGTERM
+])
 def test_stop_group_kills_after_the_grace_only_what_ignores_sigterm(
-        ignores_term: bool, killed: bool) -> None:
-    groups = _cgroup(f"llmgw-test-stopgroup-{os.getpid()}-{int(ignores_term)}")
+        ignores_term: bool, frozen: bool, killed: bool) -> None:
+    groups = _cgroup(f"llmgw-test-stopgroup-{os.getpid()}-{int(ignores_term)}{int(frozen)}")
     code = ("import signal, time\n"
             + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignores_term else "")
             + "print('up', flush=True)\ntime.sleep(600)")
@@ -125,6 +128,8 @@ def test_stop_group_kills_after_the_grace_only_what_ignores_sigterm(
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline() == "up\n"
+        if frozen:
+            os.kill(child.pid, signal.SIGSTOP)
         assert stopgroup.stop_group(groups, grace=1.0)
         # SIGTERM ends the obedient one; SIGKILL, after the grace, the other
         assert child.wait(timeout=10) == (-signal.SIGKILL if killed else -signal.SIGTERM)

@@ -51,6 +51,9 @@ class PeerShard:
     reason: str
     generation: str  # opaque: a systemd InvocationID in hex, or "" when none
     serving: bool = False  # whether that rank serves HTTP
+    # seconds its engine had run in this generation when the peer answered (None: not
+    # running, or a peer too old to say): when a leader started, on this node's clock
+    up_for: int | None = None
 
 
 @dataclass(frozen=True)

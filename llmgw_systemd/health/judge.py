@@ -72,6 +72,13 @@ class ReplicaPolicy:
     follows_leader: bool = False  # ranks >= 1 joined rank 0's rendezvous (vLLM, SGLang)
     completion_fresh: float | None = None  # a generation check counts this long; None: off
     stall_after: float = 0  # seconds; 0: no stall detection (no metrics to read, or off)
+    # the health probe itself asks for a token (SGLang's /health): while it fails, its
+    # request is work owed, as the generation check's is
+    health_generates: bool = False
+    # a follower whose leader's engine started more than this many seconds after its own
+    # is a half of a group that is gone (None: off): stop_timeout + settle, so that the
+    # two ends of one group restart, stopping at their own pace, never count
+    rejoin_after: float | None = None
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,9 @@ def local_rank(policy: ReplicaPolicy, memory: Memory, local: LocalEvidence | Non
     valid = _current(probe, generation, policy.probe_fresh, now)
     completed = (_current(completion, generation, policy.completion_fresh, now)
                  if policy.completion_fresh is not None else None)
-    failing = _check_failing(memory, generation, completed)
+    owed = completed if policy.completion_fresh is not None else \
+        valid if policy.health_generates else None
+    failing = _check_failing(memory, generation, owed)
     memory = replace(memory, check_failing=failing)
     live = None
     if policy.serving and policy.stall_after > 0 and generation:
@@ -223,12 +232,13 @@ def refused(policy: ReplicaPolicy, seen: PeerEvidence) -> tuple[str, ...]:
 
 
 def peer_rank(policy: ReplicaPolicy, rank: int, seen: PeerEvidence | None,
-              now: float) -> tuple[RankReport, str]:
-    """Another node's rank, from that node's own supervisor only."""
+              now: float) -> tuple[RankReport, str, float | None]:
+    """Another node's rank, from that node's own supervisor only: its report, its
+    generation, and when its engine started (on this node's clock, to the second)."""
     node = policy.nodes[rank]
 
-    def unknown(why: str) -> tuple[RankReport, str]:
-        return RankReport(rank, node, UNKNOWN, why), ""
+    def unknown(why: str) -> tuple[RankReport, str, float | None]:
+        return RankReport(rank, node, UNKNOWN, why), "", None
 
     if seen is None:
         return unknown(f"no report yet from the supervisor on {node}")
@@ -242,7 +252,9 @@ def peer_rank(policy: ReplicaPolicy, rank: int, seen: PeerEvidence | None,
     found = [s for s in seen.shards if s.rank == rank and counts(policy, seen, s)]
     if not found:
         return unknown(f"the supervisor on {node} reports no shard of {policy.name}")
-    return RankReport(rank, node, found[-1].state, found[-1].reason), found[-1].generation
+    last = found[-1]
+    started = None if last.up_for is None else seen.received_at - last.up_for
+    return RankReport(rank, node, last.state, last.reason), last.generation, started
 
 
 def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
@@ -256,13 +268,16 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
                                                 now, completion, progress)
     reports = [mine]
     generations = {policy.rank: generation}
+    leader_started: float | None = None
     for rank, node in enumerate(policy.nodes):
         if rank == policy.rank:
             continue
-        report, gen = peer_rank(policy, rank, peers.get(node), now)
+        report, gen, started = peer_rank(policy, rank, peers.get(node), now)
         reports.append(report)
         if report.state != UNKNOWN:
             generations[rank] = gen
+            if rank == 0:
+                leader_started = started
     reports.sort(key=lambda r: r.rank)
     health = replica_health(reports, len(policy.nodes))
     if live is not None and live.verdict == BUSY and health.state == READY:
@@ -270,7 +285,8 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
         health = Health(READY, f"{health.reason}; busy: {live.reason}")
     gens = tuple(sorted(generations.items()))
     verdict = Verdict(memory, health, tuple(reports), gens, liveness=live)
-    return _group_restart(policy, verdict, now, engine_since=_engine_since(local))
+    return _group_restart(policy, verdict, now, engine_since=_engine_since(local),
+                          leader_started=leader_started)
 
 
 def _engine_since(local: LocalEvidence | None) -> float | None:
@@ -281,18 +297,24 @@ def _engine_since(local: LocalEvidence | None) -> float | None:
 
 
 def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
-                   engine_since: float | None = None) -> Verdict:
+                   engine_since: float | None = None,
+                   leader_started: float | None = None) -> Verdict:
     memory, health, reports = verdict.memory, verdict.health, verdict.ranks
     generations = dict(verdict.generations)
+    follower = policy.follows_leader and policy.rank > 0
     # rank 0 stopped (its own node says so): an engine here that started before is a
     # broken half that joined the rank 0 that is gone
-    leader_stopped = (policy.follows_leader and policy.rank > 0
-                      and reports[0].state == STOPPED)
+    leader_stopped = follower and reports[0].state == STOPPED
     stopped_since = (memory.leader_stopped_since if memory.leader_stopped_since is not None
                      else now) if leader_stopped else None
     memory = replace(memory, leader_stopped_since=stopped_since)
     leader_gone = (stopped_since is not None and engine_since is not None
                    and engine_since < stopped_since)
+    # rank 0 runs an engine that started well after ours: ours joined the one before it,
+    # whose end we may never have seen (a report missed, a restart within a fetch)
+    leader_new = (follower and policy.rejoin_after is not None and engine_since is not None
+                  and leader_started is not None
+                  and leader_started - engine_since > policy.rejoin_after)
     if health.state == STOPPED:
         return replace(verdict, memory=replace(
             memory, failing_since=None, baseline=None, candidate=None, candidate_since=None))
@@ -305,7 +327,7 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
     failed = [r.rank for r in reports if r.state == FAILED]
     if restarted and not failed and len(restarted) == len(policy.nodes):
         restarted = []  # every rank started afresh (or the only one did): nothing stale
-    if not restarted and not failed and not leader_gone:
+    if not restarted and not failed and not leader_gone and not leader_new:
         if health.state == READY:
             memory = replace(memory, failing_since=None)
             if memory.baseline is None:
@@ -319,7 +341,12 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                       *(f"rank {r.rank} on {r.node} failed: {r.reason}" for r in reports
                         if r.state == FAILED),
                       *([f"rank 0 on {policy.nodes[0]} stopped; this rank must start "
-                         "again to wait for a new one"] if leader_gone else [])])
+                         "again to wait for a new one"] if leader_gone else []),
+                      *([f"rank 0 on {policy.nodes[0]} started again "
+                         f"{leader_started - engine_since:.0f} s after this rank did; this "
+                         "rank must start again to join it"]
+                        if leader_new and leader_started is not None
+                        and engine_since is not None else [])])
     since = memory.failing_since if memory.failing_since is not None else now
     memory = replace(memory, failing_since=since)
     decision = decide(policy.group_restart, memory.restarts, since, now)

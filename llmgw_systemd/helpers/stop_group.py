@@ -84,10 +84,17 @@ def signal_all(pids: set[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
+def terminate(pids: set[int]) -> None:
+    """SIGTERM, then SIGCONT as systemd does: a stopped process (SIGSTOP, a debugger's
+    freeze) acts on SIGTERM only once it runs again."""
+    signal_all(pids, signal.SIGTERM)
+    signal_all(pids, signal.SIGCONT)
+
+
 def stop_group(groups: Sequence[Path], grace: float) -> bool:
     """SIGTERM to all, wait up to grace for them to go, SIGKILL the rest; True once
     empty."""
-    signal_all(members(groups), signal.SIGTERM)
+    terminate(members(groups))
     deadline = time.monotonic() + grace
     while members(groups) and time.monotonic() < deadline:
         time.sleep(POLL)
@@ -113,8 +120,7 @@ def kill_group(groups: Sequence[Path]) -> set[int]:
 def stop_main_first(groups: Sequence[Path], main_pid: int, grace: float) -> bool:
     """SIGTERM to the main process, wait up to grace for it to go, then SIGKILL the whole
     group; True once the main process is gone (systemd ends the rest)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(main_pid, signal.SIGTERM)
+    terminate({main_pid})
     deadline = time.monotonic() + grace
     while _running(main_pid, groups) and time.monotonic() < deadline:
         time.sleep(POLL)

@@ -97,6 +97,18 @@ KINDS = (HEALTH, GENERATION, PROGRESS)
 View = tuple[dict[str, Any], bytes, str, ReplicaFigures]
 
 
+def engine_started(evidence: LocalEvidence | None) -> int | None:
+    """When this shard's engine became active, in whole seconds of this node's monotonic
+    clock (None: it is not active). Stable while it runs, so the report changes only
+    when the engine does; peers read it against the answer's `clock`."""
+    if evidence is None or not evidence.members:
+        return None
+    engine = evidence.members[-1]
+    if engine.active_state != "active" or engine.active_enter_usec <= 0:
+        return None
+    return int(engine.active_enter_usec / 1e6)
+
+
 def _reads_progress(shard: LocalShard) -> bool:
     """Whether the supervisor reads this shard's progress: its serving rank, an engine
     that says where (Http.progress), and stall detection on."""
@@ -309,6 +321,7 @@ class Supervisor:
     def _policy(self, shard: LocalShard) -> ReplicaPolicy:
         replica, config = shard.replica, self.config
         check = replica.health
+        settle = config.peer_wait + config.peer_timeout + replica.restart.delay + 1.0
         return ReplicaPolicy(
             name=replica.name, nodes=tuple(n.name for n in replica.nodes),
             rank=shard.plan.rank, serving=shard.serving, stability=check.stability,
@@ -316,12 +329,16 @@ class Supervisor:
             # the next one starts an interval after that and may take a timeout too.
             probe_fresh=check.interval + 2 * check.timeout + 1.0,
             peer_fresh=config.peer_wait + config.peer_timeout + 1.0,
-            settle=config.peer_wait + config.peer_timeout + replica.restart.delay + 1.0,
+            settle=settle,
+            rejoin_after=(replica.stop_timeout + settle
+                          if replica.engine.follows_leader(len(replica.nodes)) else None),
             group_restart=replica.group_restart, require_auth=config.tls is not None,
             follows_leader=replica.engine.follows_leader(len(replica.nodes)),
             completion_fresh=(check.generation.interval + 2 * check.generation.timeout + 1.0
                               if check.generation is not None else None),
-            stall_after=float(check.stall_after) if _reads_progress(shard) else 0.0)
+            stall_after=float(check.stall_after) if _reads_progress(shard) else 0.0,
+            health_generates=(replica.http is not None
+                              and check.path in replica.http.generating_paths))
 
     def _sync_threads(self) -> None:
         """One prober per serving shard, one fetcher per peer node: started and stopped
@@ -571,6 +588,7 @@ class Supervisor:
             "replica": name, "rank": shard.plan.rank, "ranks": shard.plan.ranks,
             "node": shard.plan.node, "serving": shard.serving, "state": mine.state,
             "reason": mine.reason, "generation": evidence.generation if evidence else "",
+            "started": engine_started(evidence),
             "units": {u.name: {"active": u.active_state, "sub": u.sub_state,
                                "result": u.result, "restarts": u.n_restarts}
                       for u in units},

@@ -321,20 +321,24 @@ _VERSION_MAX = 2**63 - 1
 _RANK_MAX = 2**31 - 1
 _ANSWER_KEYS = ("node", "version", "shards")
 _SHARD_KEYS = ("replica", "rank", "node", "state", "reason", "generation", "serving")
+_CLOCK_MAX = 2**53  # seconds; JSON numbers beyond are not exact
 
 
 def _parse_answer(wire: Reader, document: Any) -> tuple[str, int, tuple[ShardReport, ...]]:
     # others=True: a newer peer may send fields this one does not know
-    answer = wire.mapping(document, (), _ANSWER_KEYS, _ANSWER_KEYS, others=True)
+    answer = wire.mapping(document, (), (*_ANSWER_KEYS, "clock"), _ANSWER_KEYS, others=True)
     node = _node_name(wire, answer["node"], ("node",))
     version = wire.integer(answer["version"], ("version",), 0, _VERSION_MAX,
                             "a version number")
+    clock = None if answer.get("clock") is None else wire.integer(
+        answer["clock"], ("clock",), 0, _CLOCK_MAX, "seconds of the peer's monotonic clock")
     items = wire.sequence(answer["shards"], ("shards",), "shards", max_len=MAX_SHARDS)
-    return node, version, tuple(_shard(wire, item, ("shards", i)) for i, item in enumerate(items))
+    return node, version, tuple(_shard(wire, item, ("shards", i), clock)
+                                for i, item in enumerate(items))
 
 
-def _shard(wire: Reader, value: Any, path: KeyPath) -> ShardReport:
-    shard = wire.mapping(value, path, _SHARD_KEYS, _SHARD_KEYS, others=True)
+def _shard(wire: Reader, value: Any, path: KeyPath, clock: int | None) -> ShardReport:
+    shard = wire.mapping(value, path, (*_SHARD_KEYS, "started"), _SHARD_KEYS, others=True)
 
     def at(key: str) -> KeyPath:
         return (*path, key)
@@ -351,7 +355,22 @@ def _shard(wire: Reader, value: Any, path: KeyPath) -> ShardReport:
                                   "a shard generation (lowercase hex, at most "
                                   f"{MAX_GENERATION} characters)", empty=True),
         serving=wire.boolean(shard["serving"], at("serving"), "whether it serves HTTP"),
+        up_for=_up_for(wire, shard.get("started"), clock, at("started")),
     )
+
+
+def _up_for(wire: Reader, started: Any, clock: int | None, path: KeyPath) -> int | None:
+    """How long the shard's engine had run at the answer: the answer's clock minus the
+    shard's `started`, both that node's (None: not running, or a peer of an earlier
+    version, which sends neither)."""
+    if started is None or clock is None:
+        return None
+    value = wire.integer(started, path, 0, _CLOCK_MAX, "when its engine started (seconds "
+                         "of the answer's clock)")
+    if value > clock:
+        raise wire.fail(path, f"expected a time no later than the answer's clock ({clock}); "
+                        f"got {value}")
+    return clock - value
 
 
 def _is_generation(text: str) -> bool:

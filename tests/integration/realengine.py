@@ -118,3 +118,67 @@ def assert_truthful(said: list[tuple[float, str]], answers: list[tuple[float, fl
         overlapping = [(s, e) for s, e in failures if s - 0.5 <= t <= e]
         assert not overlapping, f"said ready at {t - since:.1f} s while completions failed"
     assert ready, "never ready again"
+
+
+# Runs inside a node's namespace: `clients` threads send long completions back to back
+# for `seconds`; prints one JSON line per completion (started, took, status, tokens).
+_LOAD = """\
+import json, sys, threading, time, urllib.request, urllib.error
+base, clients, seconds, tokens, timeout = (sys.argv[1], int(sys.argv[2]),
+                                           float(sys.argv[3]), int(sys.argv[4]),
+                                           float(sys.argv[5]))
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+body = json.dumps({"prompt": "Once upon a time", "max_tokens": tokens,
+                   "ignore_eos": True, "temperature": 0}).encode()
+end = time.monotonic() + seconds
+lock = threading.Lock()
+def client():
+    while time.monotonic() < end:
+        started = time.monotonic()
+        req = urllib.request.Request(base + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            r = opener.open(req, timeout=timeout)
+            got = json.loads(r.read())
+            status, n = r.status, got.get("usage", {}).get("completion_tokens", 0)
+        except urllib.error.HTTPError as e:
+            status, n = e.code, 0
+        except Exception:
+            status, n = 0, 0
+        with lock:
+            print(json.dumps({"started": started, "took": time.monotonic() - started,
+                              "status": status, "tokens": n}), flush=True)
+threads = [threading.Thread(target=client) for _ in range(clients)]
+for t in threads: t.start()
+for t in threads: t.join()
+"""
+
+
+class Load:
+    """Saturating load from inside a node's namespace: `clients` concurrent completions of
+    `tokens` tokens each (ignore_eos), back to back for `seconds`. `results` after the
+    context: one dict per completion (started on this clock, took, status, tokens)."""
+
+    def __init__(self, manager: UserManager, base: str, *, clients: int, seconds: float,
+                 tokens: int, timeout: float = 300) -> None:
+        argv = ["/usr/bin/python3", "-c", _LOAD, base, str(clients), str(seconds),
+                str(tokens), str(timeout)]
+        if manager.netns is not None:
+            argv = ["ip", "netns", "exec", manager.netns.name, *argv]
+        self.argv, self.limit = argv, seconds + timeout + 30
+        self.results: list[dict[str, float]] = []
+
+    def __enter__(self) -> Load:
+        self._proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, text=True,
+                                      stdin=subprocess.DEVNULL,
+                                      env={"PATH": os.environ["PATH"]})
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        try:
+            out = self._proc.communicate(timeout=self.limit)[0]
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out = self._proc.communicate(timeout=10)[0]
+        # "started" is on this clock: the namespaces share CLOCK_MONOTONIC
+        self.results = [json.loads(line) for line in out.splitlines() if line.strip()]

@@ -121,3 +121,106 @@ def test_a_saturated_engine_stays_ready_and_is_never_restarted(
     assert main_pid(manager) == pid
     assert stepping.metric("llmgw_stall_restarts_total") == 0
     assert "stalled" not in stepping.log.read_text()
+
+
+# -- SGLang, through its stand-in at its interface (tests/standins/sglang_standin): the
+# rendered `python -m sglang.launch_server`, its metrics names, its generating /health
+SG_TARGET, SG_ENGINE = "llmgw-sg.target", "llmgw-sg-engine.service"
+SGLANG_STANDIN = STANDINS / "sglang_standin"
+
+
+def sglang_spec(path: Path, http: int, *, generation: bool) -> Path:
+    venv = path.parent / "sglang-venv"  # its python is Debian's; sglang is the stand-in
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    if not (venv / "bin" / "python").exists():
+        (venv / "bin" / "python").symlink_to(PYTHON)
+    check = ", generation: {interval: 1, timeout: 2}" if generation else ""
+    return write(path, f"""\
+replicas:
+  - name: sg
+    engine: sglang
+    model: /models/m
+    virtualenv: {venv}
+    host: 127.0.0.1
+    port: {http}
+    args: [--enable-metrics]
+    env: {{PYTHONPATH: {SGLANG_STANDIN}}}
+    restart: {{delay: 1, burst: 20, interval: 900}}
+    health: {{interval: 1, timeout: 3, stability: 1, stall_after: {STALL_AFTER}{check}}}
+    group_restart: {{delay: 1, max_delay: 2, budget: 5, window: 600}}
+    nodes: [{{name: node, address: 127.0.0.1}}]
+""")
+
+
+class SglangSupervisor(StepSupervisor):
+    def replica(self, name: str = "sg") -> dict[str, object]:
+        return LocalSupervisor.replica(self, name)
+
+    def state(self) -> str:
+        data = self.get("/v1/replicas/sg", timeout=2)
+        return str(data["state"]) if isinstance(data, dict) else "no answer"
+
+
+def sglang_up(manager: UserManager, tmp_path: Path, *, generation: bool) -> SglangSupervisor:
+    path = sglang_spec(tmp_path / "spec.yaml", free_port(), generation=generation)
+    manager.render(path, "node")
+    manager.systemctl("start", SG_TARGET)
+    sup = SglangSupervisor(manager, path, free_port())
+    try:
+        wait_until(lambda: sup.state() == "ready", 60, "the SGLang stand-in to be ready")
+    except AssertionError:
+        sup.stop()
+        raise
+    return sup
+
+
+@pytest.mark.parametrize("generation", [True, False], ids=["with-check", "health-only"])
+def test_a_frozen_sglang_is_restarted_as_a_stall(one_node: UserManager, tmp_path: Path,
+                                                 generation: bool) -> None:
+    """Frozen while idle: its gauges say nothing is pending, but its own /health asks
+    for a token, and that request is owed work; with or without the generation check."""
+    sup = sglang_up(one_node, tmp_path, generation=generation)
+    try:
+        frozen = int(one_node.show(SG_ENGINE, "MainPID")["MainPID"])
+        one_node.systemctl("kill", "--signal=SIGUSR1", "--kill-whom=main", SG_ENGINE)
+        seen: list[str] = []
+
+        def restarted() -> bool:
+            data = sup.replica()
+            seen.append(f"{data['state']}: {data['reason']} / {data['progress']}")
+            return int(one_node.show(SG_ENGINE, "MainPID")["MainPID"]) not in (0, frozen)
+
+        try:
+            wait_until(restarted, STALL_AFTER + 60, "the stalled SGLang to restart", 0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; it said: {seen[-5:]}") from None
+        assert "this rank stalled" in sup.log.read_text()
+        assert sup.metric("llmgw_stall_restarts_total") == 1
+        wait_until(lambda: sup.state() == "ready", 60, "SGLang to serve again")
+    finally:
+        sup.stop()
+        print(sup.log.read_text(errors="replace")[-3000:])
+
+
+def test_a_saturated_sglang_stays_ready(one_node: UserManager, tmp_path: Path) -> None:
+    """Its /health answers behind load (anything sent back counts); the generation check
+    waits behind it: busy, ready in every sample, never restarted."""
+    sup = sglang_up(one_node, tmp_path, generation=True)
+    try:
+        pid = int(one_node.show(SG_ENGINE, "MainPID")["MainPID"])
+        one_node.systemctl("kill", "--signal=SIGUSR2", "--kill-whom=main", SG_ENGINE)
+        samples = []
+        end = time.monotonic() + 3 * STALL_AFTER + 4  # a bound on the sampling
+        while time.monotonic() < end:
+            data = sup.replica()
+            samples.append((str(data["state"]), bool(data["busy"]), str(data["reason"])))
+            time.sleep(0.25)
+        busy = [b for _, b, _ in samples]
+        assert any(busy), "the generation check never waited behind the load"
+        after = samples[busy.index(True):]
+        assert {s for s, _, _ in after} == {"ready"}, [a for a in after if a[0] != "ready"]
+        assert int(one_node.show(SG_ENGINE, "MainPID")["MainPID"]) == pid
+        assert sup.metric("llmgw_stall_restarts_total") == 0
+    finally:
+        sup.stop()
+        print(sup.log.read_text(errors="replace")[-3000:])

@@ -105,6 +105,8 @@ class Http(NamedTuple):
     port: int
     model: str | None
     progress: ProgressSeries | None = None  # None: no stall detection (no metrics)
+    # health paths at which the engine answers only once it generated a token
+    generating_paths: tuple[str, ...] = ()
 
 
 class ProgressSeries(NamedTuple):

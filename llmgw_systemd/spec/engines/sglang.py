@@ -31,10 +31,15 @@ if TYPE_CHECKING:
 
 HTTP_PORT = 30000
 # SGLang's /metrics (served with --enable-metrics): realtime_tokens_total moves on every
-# prefill batch and every decode log interval (40 steps by default); the running and
-# queued requests are gauges (sglang/srt/observability/metrics_collector.py, 0.5.23).
+# prefill batch and every decode step; the running and queued requests are gauges, set
+# with every logged batch and put right when idle (metrics_collector.py and
+# scheduler_components/metrics_reporter.py, 0.5.23).
 PROGRESS = ProgressSeries("/metrics", ("sglang:realtime_tokens_total",),
                           ("sglang:num_running_reqs", "sglang:num_queue_reqs"))
+# SGLang's /health (and /health_generate) submits a one-token request and answers 200 once
+# the scheduler sent anything back, 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s): busy
+# work answers it, a frozen scheduler never does (http_server.py, 0.5.23)
+GENERATING_PATHS = ("/health", "/health_generate")
 RENDEZVOUS_PORT = 20000
 
 
@@ -50,7 +55,8 @@ class Sglang:
     def http(self) -> Http:
         # SGLang serves /metrics only with --enable-metrics: without, no stall detection
         metrics = "--enable-metrics" in self.server.args
-        return self.server.http()._replace(progress=PROGRESS if metrics else None)
+        return self.server.http()._replace(progress=PROGRESS if metrics else None,
+                                           generating_paths=GENERATING_PATHS)
 
     def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
         server = self.server

@@ -9,6 +9,7 @@ shard reports differ from version V, or after `wait` seconds (docs/supervisor.md
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +38,12 @@ def encode(data: object) -> bytes:
     return json.dumps(data, indent=1).encode()
 
 
-def shards_body(published: Published) -> bytes:
+def shards_body(published: Published, clock: int | None = None) -> bytes:
+    """The shard reports; `clock` is this node's monotonic clock in whole seconds at the
+    answer, the scale of each report's `started` (a peer learns from the two how long
+    ago an engine started, without comparing two nodes' clocks)."""
     return encode({"node": published.node, "version": published.version,
+                   "clock": int(time.monotonic()) if clock is None else clock,
                    "shards": list(published.shards)})
 
 
