@@ -276,6 +276,30 @@ CASES = [
     Case("readings of an earlier start say nothing", policy=STALLING, memory=SERVED,
          completion=COMPLETION_TIMEOUT, progress=progress(steps=0, pending=1, gen=OLD_GEN),
          state=DEGRADED, reason="a one-token completion failed"),
+    # one fault, one restart: while this node's restart is under way (its old generation
+    # still stopping, still stalled), nothing more is asked for
+    Case("a stall restart under way: the old generation still stalled, no second one",
+         policy=replace(STALLING, restart_hold=30),
+         memory=replace(SERVED, restarts=(NOW - 5,), restart_pending=(GEN, NOW - 5)),
+         completion=COMPLETION_TIMEOUT, progress=progress(steps=0, pending=1),
+         state=FAILED, reason="this node's shard is restarting"),
+    Case("the restart lost (the old generation there past restart_hold): again",
+         policy=replace(STALLING, restart_hold=30),
+         memory=replace(SERVED, restarts=(NOW - 40,), restart_pending=(GEN, NOW - 40),
+                        failing_since=NOW - 10),
+         completion=COMPLETION_TIMEOUT, progress=progress(steps=0, pending=1),
+         state=FAILED, reason="group restart 2 of 2", restarts=1, cause=STALL),
+    Case("a peer failed while this node's restart is under way: it covers that too",
+         policy=replace(POLICY, restart_hold=30),
+         memory=Memory(restarts=(NOW - 5,), restart_pending=(GEN, NOW - 5)),
+         peers={"b": peer("b", shard(1, "b", FAILED))}, state=FAILED,
+         reason="this node's shard is restarting"),
+    Case("the shard started again since: the pending restart is done",
+         policy=replace(POLICY, restart_hold=30),
+         memory=Memory(restarts=(NOW - 60,), restart_pending=(OLD_GEN, NOW - 5),
+                       failing_since=NOW - 30),
+         peers={"b": peer("b", shard(1, "b", FAILED))}, state=FAILED,
+         reason="group restart 2 of 2", restarts=1),
     # SGLang's /health asks for a token itself: while it fails, its request is owed work
     Case("frozen SGLang with idle gauges: its /health times out for stall_after: stalled",
          policy=replace(POLICY, stall_after=120, health_generates=True),
@@ -343,3 +367,19 @@ def test_a_restart_clears_the_baseline_and_counts_once() -> None:
     again = judge(POLICY, later.memory, local=UP, probe=replace(PROBE_OK, taken_at=NOW + 6),
                   peers=dead(NOW + 6), now=NOW + 6)
     assert not again.actions and "2 of 2 in" in again.health.reason
+
+
+def test_one_fault_asks_for_one_restart_while_the_old_generation_stops() -> None:
+    """Judged again and again while the stalled generation stops (a serving rank's
+    drain, seconds): one RestartShard, then none until the engine starts again."""
+    policy = replace(STALLING, restart_hold=30)
+    memory = replace(SERVED, failing_since=NOW - 10)
+    actions = 0
+    for step in range(20):  # 20 s of judgements, the old generation still there
+        verdict = judge(policy, memory, local=UP, probe=PROBE_OK, peers={"b": B_READY},
+                        now=NOW + step, completion=COMPLETION_TIMEOUT,
+                        progress=progress(steps=0, pending=1, span=130 + step))
+        actions += len(verdict.actions)
+        memory = verdict.memory
+    assert actions == 1
+    assert memory.restart_pending == (GEN, NOW)

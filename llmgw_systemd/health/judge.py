@@ -79,6 +79,9 @@ class ReplicaPolicy:
     # is a half of a group that is gone (None: off): stop_timeout + settle, so that the
     # two ends of one group restart, stopping at their own pace, never count
     rejoin_after: float | None = None
+    # after this node restarted its shard, how long its old generation may still be
+    # seen (stopping, a serving rank draining) before the restart counts as lost
+    restart_hold: float = 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class Memory:
     leader_stopped_since: float | None = None  # when rank 0 was first seen stopped
     # (generation, since when) the generation check has failed without a pass between
     check_failing: tuple[str, float] | None = None
+    # (this node's generation, when) of the last restart it made of its shard: until
+    # that generation is gone, the restart is under way and no other is asked for
+    restart_pending: tuple[str, float] | None = None
 
 
 DEATH, STALL = "death", "stall"
@@ -301,6 +307,11 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                    leader_started: float | None = None) -> Verdict:
     memory, health, reports = verdict.memory, verdict.health, verdict.ranks
     generations = dict(verdict.generations)
+    pending = memory.restart_pending
+    if pending is not None and (pending[0] != generations.get(policy.rank, "")
+                                or now - pending[1] > policy.restart_hold):
+        pending = None  # the shard started again (or the restart was lost)
+    memory = replace(memory, restart_pending=pending)
     follower = policy.follows_leader and policy.rank > 0
     # rank 0 stopped (its own node says so): an engine here that started before is a
     # broken half that joined the rank 0 that is gone
@@ -347,6 +358,14 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                          "rank must start again to join it"]
                         if leader_new and leader_started is not None
                         and engine_since is not None else [])])
+    if pending is not None:
+        # This node's restart of its shard is under way: the old generation is still
+        # seen while it stops (a stalled one still stalled, a drain still running), and
+        # judging it again would spend the budget twice on one fault.
+        state_now: State = FAILED if failed else DEGRADED
+        return replace(verdict, memory=replace(memory, failing_since=None),
+                       health=Health(state_now, f"{died}; this node's shard is restarting"),
+                       next_restart="under way")
     since = memory.failing_since if memory.failing_since is not None else now
     memory = replace(memory, failing_since=since)
     decision = decide(policy.group_restart, memory.restarts, since, now)
@@ -363,6 +382,8 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
     fresh = policy.rank in restarted and reports[policy.rank].state != FAILED
     memory = replace(memory, restarts=(*memory.restarts, now), failing_since=None,
                      baseline=None, candidate=None, candidate_since=None)
+    if not fresh and policy.restart_hold > 0:
+        memory = replace(memory, restart_pending=(generations.get(policy.rank, ""), now))
     if fresh:
         note = (f"{policy.name}: a rank died; this node's shard already restarted "
                 f"({decision.reason})")

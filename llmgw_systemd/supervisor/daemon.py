@@ -332,6 +332,7 @@ class Supervisor:
             settle=settle,
             rejoin_after=(replica.stop_timeout + settle
                           if replica.engine.follows_leader(len(replica.nodes)) else None),
+            restart_hold=replica.stop_timeout + settle,
             group_restart=replica.group_restart, require_auth=config.tls is not None,
             follows_leader=replica.engine.follows_leader(len(replica.nodes)),
             completion_fresh=(check.generation.interval + 2 * check.generation.timeout + 1.0
