@@ -276,6 +276,10 @@ CASES = [
     Case("readings of an earlier start say nothing", policy=STALLING, memory=SERVED,
          completion=COMPLETION_TIMEOUT, progress=progress(steps=0, pending=1, gen=OLD_GEN),
          state=DEGRADED, reason="a one-token completion failed"),
+    Case("a member of ours past its start limit: a group restart would start nothing",
+         local=units("failed", "failed", result="start-limit-hit"), probe=None,
+         memory=Memory(failing_since=NOW - 30), state=FAILED,
+         reason="no group restart: this node's shard hit its start limit"),
     # one fault, one restart: while this node's restart is under way (its old generation
     # still stopping, still stalled), nothing more is asked for
     Case("a stall restart under way: the old generation still stalled, no second one",

@@ -103,6 +103,7 @@ class Memory:
 
 
 DEATH, STALL = "death", "stall"
+START_LIMIT = "start-limit-hit"  # systemd's Result= of a unit past StartLimitBurst=
 
 
 @dataclass(frozen=True)
@@ -291,8 +292,12 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
         health = Health(READY, f"{health.reason}; busy: {live.reason}")
     gens = tuple(sorted(generations.items()))
     verdict = Verdict(memory, health, tuple(reports), gens, liveness=live)
+    # a member past its start limit starts no more until an operator says so
+    # (reset-failed): a group restart here would spend the budget and start nothing
+    held = local is not None and any(u.active_state == "failed" and u.result == START_LIMIT
+                                     for u in local.members)
     return _group_restart(policy, verdict, now, engine_since=_engine_since(local),
-                          leader_started=leader_started)
+                          leader_started=leader_started, start_limited=held)
 
 
 def _engine_since(local: LocalEvidence | None) -> float | None:
@@ -304,7 +309,8 @@ def _engine_since(local: LocalEvidence | None) -> float | None:
 
 def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                    engine_since: float | None = None,
-                   leader_started: float | None = None) -> Verdict:
+                   leader_started: float | None = None,
+                   start_limited: bool = False) -> Verdict:
     memory, health, reports = verdict.memory, verdict.health, verdict.ranks
     generations = dict(verdict.generations)
     pending = memory.restart_pending
@@ -358,6 +364,11 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                          "rank must start again to join it"]
                         if leader_new and leader_started is not None
                         and engine_since is not None else [])])
+    if start_limited:
+        return replace(verdict, memory=replace(memory, failing_since=None),
+                       health=Health(FAILED, f"{died}; no group restart: this node's shard "
+                                     "hit its start limit (systemctl reset-failed to try "
+                                     "again)"))
     if pending is not None:
         # This node's restart of its shard is under way: the old generation is still
         # seen while it stops (a stalled one still stalled, a drain still running), and

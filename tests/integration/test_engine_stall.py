@@ -55,8 +55,14 @@ ARGS = ('[--max-model-len, "256", --enforce-eager, --dtype, float32, --max-num-s
 
 
 def spec_text(http: int, master: int, mode: str = "mp") -> str:
+    # A worker's raylet that lost its head gives up after 10 s, not Ray's 60: these
+    # nodes share one PID namespace, and `ray start --head` refuses to start while any
+    # process on the machine names its address in --gcs-address (Ray's
+    # services.find_gcs_addresses greps ps): the old raylet on node-b, waiting out a
+    # cut, kept node-a's new head from starting until its start limit was spent. On
+    # separate machines (and in the booted tier) no such process is visible.
     ray = {"ray": f"""\
-    env: {env_yaml({"LLMGW_TEST_RAY_ON_CPU": "1"})}
+    env: {env_yaml({"LLMGW_TEST_RAY_ON_CPU": "1", "RAY_gcs_rpc_server_reconnect_timeout_s": "10"})}
     ray_num_gpus: 1
     ray_auth: disabled
 """}.get(mode, f"""\
