@@ -49,7 +49,11 @@ TARGET, ENGINE = "llmgw-tiny.target", "llmgw-tiny-engine.service"
 API_PORT = 9471
 STALL_AFTER = 20
 CHECK = {"interval": 1, "timeout": 5}  # the generation check
-NOTICE = CHECK["interval"] + CHECK["timeout"]  # the issue's bound on saying ready
+# Not ready over a failed completion once the fault is older than the check's interval
+# + timeout (the next check after the last success times out then), plus a second: the
+# fault's start is stamped before `systemctl kill` returns, and a sample is stamped
+# after its API read, which shows the last judgement before it.
+NOTICE = CHECK["interval"] + CHECK["timeout"] + 1
 # two sequences at a time: six clients keep four waiting, and the check with them
 ARGS = ('[--max-model-len, "256", --enforce-eager, --dtype, float32, --max-num-seqs, "2"]')
 
@@ -145,6 +149,15 @@ def restarts(sup: SupervisorProcess) -> tuple[float, float]:
             sup.metric('llmgw_stall_restarts_total{replica="tiny"}'))
 
 
+def last_ready(sampler: Sampler, since: float) -> float:
+    """Seconds after `since` of the last 'ready' before the first sample that was not."""
+    after = [(t, s) for t, s in sampler.seen if t > since]
+    first_not = next((t for t, s in after if not s.startswith("ready")), None)
+    ready = [t for t, s in after if s.startswith("ready") and (first_not is None
+                                                              or t < first_not)]
+    return (ready[-1] - since) if ready else 0.0
+
+
 def serving_again(leader: UserManager, answers: Completions, said: list[Sampler],
                   since: float, what: str) -> None:
     wait_until(lambda: any(t > since and s == 200 for t, _, s in answers.seen[-3:])
@@ -191,6 +204,8 @@ def test_mp_busy_stays_ready_frozen_rank_1_restarts_cut_heals(mp_replica: Replic
         wait_until(lambda: any(t > frozen and s != 200 for t, _, s in answers.seen),
                    60, "completions to fail after rank 1 froze")
         serving_again(leader, answers, samplers, frozen, "the group to serve again")
+    figure("mp rank 1 frozen: last said ready "
+           f"{[round(last_ready(s, frozen), 1) for s in samplers]} s after")
     for sampler in samplers:
         assert_truthful(sampler.seen, answers.seen, frozen, notice=NOTICE)
     assert restarts(sups[0])[1] > stalls_before, "not restarted as a stall"
@@ -229,6 +244,8 @@ def test_ray_frozen_worker_node_comes_back_and_a_cut_heals(ray_replica: Replica)
         wait_until(lambda: any(t > frozen and s != 200 for t, _, s in answers.seen),
                    60, "completions to fail after the worker node froze")
         serving_again(leader, answers, samplers, frozen, "the group to serve again")
+    figure(f"Ray worker frozen: last said ready "
+           f"{[round(last_ready(s, frozen), 1) for s in samplers]} s after")
     for sampler in samplers:
         assert_truthful(sampler.seen, answers.seen, frozen, notice=NOTICE)
     figure(f"Ray worker frozen: stall restarts {restarts(sups[0])[1]:.0f}, group "
