@@ -36,7 +36,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
 import test_engine_stall as scenario  # noqa: E402
 from realengine import VLLM_VERSION, Load, assert_engines, complete  # noqa: E402
 from specs import free_port  # noqa: E402
-from supervisors import Sampler, SupervisorProcess  # noqa: E402
+from supervisors import SupervisorProcess  # noqa: E402
 from systemd_harness import UserManager, make_network, remove_network, wait_until  # noqa: E402
 
 TARGET, ENGINE = scenario.TARGET, scenario.ENGINE
@@ -48,17 +48,10 @@ def supervisors(managers: list[UserManager], spec: Path, port: int) -> list[Supe
             for i, m in enumerate(managers)]
 
 
-def sample_state(sup: SupervisorProcess) -> Sampler:
-    def read() -> str:
-        data = sup.replica("tiny")
-        return f"{data['state']}{'+busy' if data.get('busy') else ''}"
-    return Sampler(read, 0.25)
-
-
 def saturation(leader: UserManager, base: str, sups: list[SupervisorProcess],
                seconds: float) -> dict[str, float]:
     restarts = [float(s.replica("tiny")["group_restarts"]) for s in sups]
-    samplers = [sample_state(s) for s in sups]
+    samplers = [scenario.said_by(s) for s in sups]
     with samplers[0], samplers[1], Load(leader, base, clients=6, seconds=seconds,
                                         tokens=200) as load:
         pass

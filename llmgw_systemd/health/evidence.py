@@ -29,6 +29,14 @@ class LocalEvidence:
     def generation(self) -> str:
         return self.members[-1].invocation_id if self.members else ""
 
+    @property
+    def engine_since(self) -> float | None:
+        """Since when the engine (the last member) is active, in monotonic seconds; None
+        while it is not."""
+        if not self.members or self.members[-1].active_state != "active":
+            return None
+        return self.members[-1].active_enter_usec / 1e6
+
 
 @dataclass(frozen=True)
 class ProbeEvidence:

@@ -296,15 +296,8 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
     # (reset-failed): a group restart here would spend the budget and start nothing
     held = local is not None and any(u.active_state == "failed" and u.result == START_LIMIT
                                      for u in local.members)
-    return _group_restart(policy, verdict, now, engine_since=_engine_since(local),
+    return _group_restart(policy, verdict, now, engine_since=local.engine_since if local else None,
                           leader_started=leader_started, start_limited=held)
-
-
-def _engine_since(local: LocalEvidence | None) -> float | None:
-    """Since when this node's engine runs (monotonic seconds), or None if it does not."""
-    if local is None or not local.members or local.members[-1].active_state != "active":
-        return None
-    return local.members[-1].active_enter_usec / 1e6
 
 
 def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
@@ -329,9 +322,10 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                    and engine_since < stopped_since)
     # rank 0 runs an engine that started well after ours: ours joined the one before it,
     # whose end we may never have seen (a report missed, a restart within a fetch)
-    leader_new = (follower and policy.rejoin_after is not None and engine_since is not None
-                  and leader_started is not None
-                  and leader_started - engine_since > policy.rejoin_after)
+    rejoin_gap = (leader_started - engine_since
+                  if leader_started is not None and engine_since is not None else None)
+    leader_new = (follower and policy.rejoin_after is not None and rejoin_gap is not None
+                  and rejoin_gap > policy.rejoin_after)
     if health.state == STOPPED:
         return replace(verdict, memory=replace(
             memory, failing_since=None, baseline=None, candidate=None, candidate_since=None))
@@ -359,11 +353,9 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                         if r.state == FAILED),
                       *([f"rank 0 on {policy.nodes[0]} stopped; this rank must start "
                          "again to wait for a new one"] if leader_gone else []),
-                      *([f"rank 0 on {policy.nodes[0]} started again "
-                         f"{leader_started - engine_since:.0f} s after this rank did; this "
-                         "rank must start again to join it"]
-                        if leader_new and leader_started is not None
-                        and engine_since is not None else [])])
+                      *([f"rank 0 on {policy.nodes[0]} started again {rejoin_gap:.0f} s after "
+                         "this rank did; this rank must start again to join it"]
+                        if leader_new else [])])
     if start_limited:
         return replace(verdict, memory=replace(memory, failing_since=None),
                        health=Health(FAILED, f"{died}; no group restart: this node's shard "

@@ -101,12 +101,8 @@ def engine_started(evidence: LocalEvidence | None) -> int | None:
     """When this shard's engine became active, in whole seconds of this node's monotonic
     clock (None: it is not active). Stable while it runs, so the report changes only
     when the engine does; peers read it against the answer's `clock`."""
-    if evidence is None or not evidence.members:
-        return None
-    engine = evidence.members[-1]
-    if engine.active_state != "active" or engine.active_enter_usec <= 0:
-        return None
-    return int(engine.active_enter_usec / 1e6)
+    since = evidence.engine_since if evidence is not None else None
+    return None if since is None or since <= 0 else int(since)
 
 
 def _reads_progress(shard: LocalShard) -> bool:

@@ -191,26 +191,29 @@ def saturate(leader: UserManager, base: str, sups: list[SupervisorProcess]) -> N
     assert any("busy" in s for _, s in samplers[0].seen), "the check never timed out"
 
 
-def test_mp_busy_stays_ready_frozen_rank_1_restarts_cut_heals(mp_replica: Replica) -> None:
-    leader, worker, base, sups = mp_replica
-    saturate(leader, base, sups)
-
-    # every process of rank 1 frozen: /health on rank 0 stays 200, no step runs
-    stalls_before = restarts(sups[0])[1]
+def freeze_worker(leader: UserManager, worker: UserManager, base: str,
+                  sups: list[SupervisorProcess], what: str) -> None:
+    """Every process of the worker node's engine unit frozen (SIGSTOP, as a hung GPU
+    leaves them): the group serves again with no hand, and neither supervisor says
+    ready over a failed completion once the freeze is older than NOTICE."""
     samplers = [said_by(s) for s in sups]
     with samplers[0], samplers[1], Completions(leader, base) as answers:
         frozen = time.monotonic()
         worker.systemctl("kill", "--signal=SIGSTOP", ENGINE)
         wait_until(lambda: any(t > frozen and s != 200 for t, _, s in answers.seen),
-                   60, "completions to fail after rank 1 froze")
+                   60, f"completions to fail after {what} froze")
         serving_again(leader, answers, samplers, frozen, "the group to serve again")
-    figure("mp rank 1 frozen: last said ready "
+    figure(f"{what} frozen: last said ready "
            f"{[round(last_ready(s, frozen), 1) for s in samplers]} s after")
     for sampler in samplers:
         assert_truthful(sampler.seen, answers.seen, frozen, notice=NOTICE)
-    assert restarts(sups[0])[1] > stalls_before, "not restarted as a stall"
 
-    # the network between the nodes cut for twice stall_after, then back
+
+def cut_between_nodes(leader: UserManager, worker: UserManager, base: str,
+                      sups: list[SupervisorProcess], what: str) -> None:
+    """The network between the nodes cut for twice stall_after, then back: serving
+    again with no hand, never ready over a failed completion, and at most the one
+    restart the stall asks for while the other node is unreachable."""
     before = [restarts(s)[0] for s in sups]
     samplers = [said_by(s) for s in sups]
     assert worker.netns is not None
@@ -226,49 +229,29 @@ def test_mp_busy_stays_ready_frozen_rank_1_restarts_cut_heals(mp_replica: Replic
         serving_again(leader, answers, samplers, back, "serving again after the cut")
     for sampler in samplers:
         assert_truthful(sampler.seen, answers.seen, cut, notice=NOTICE)
-    figure(f"cut {back - cut:.0f} s: group restarts during it {during}, after "
+    figure(f"{what}, cut {back - cut:.0f} s: group restarts during it {during}, after "
            f"{[restarts(s)[0] - b for s, b in zip(sups, before)]}")
-    # while the other node is unreachable, at most the one restart the stall asks for
     assert all(d <= 1 for d in during), during
+
+
+def test_mp_busy_stays_ready_frozen_rank_1_restarts_cut_heals(mp_replica: Replica) -> None:
+    leader, worker, base, sups = mp_replica
+    saturate(leader, base, sups)
+    # /health on rank 0 stays 200 while rank 1 is frozen: no step runs
+    stalls_before = restarts(sups[0])[1]
+    freeze_worker(leader, worker, base, sups, "mp rank 1")
+    assert restarts(sups[0])[1] > stalls_before, "not restarted as a stall"
+    cut_between_nodes(leader, worker, base, sups, "mp")
 
 
 def test_ray_frozen_worker_node_comes_back_and_a_cut_heals(ray_replica: Replica) -> None:
     """Every process of the Ray worker node frozen (raylet, workers, `ray start`): Ray's
-    own health check or the stall, whichever comes first, ends the group; the replica
-    serves again with no hand, and nobody says ready over a failed completion."""
+    own health check or the stall, whichever comes first, ends the group."""
     leader, worker, base, sups = ray_replica
-    samplers = [said_by(s) for s in sups]
-    with samplers[0], samplers[1], Completions(leader, base) as answers:
-        frozen = time.monotonic()
-        worker.systemctl("kill", "--signal=SIGSTOP", ENGINE)
-        wait_until(lambda: any(t > frozen and s != 200 for t, _, s in answers.seen),
-                   60, "completions to fail after the worker node froze")
-        serving_again(leader, answers, samplers, frozen, "the group to serve again")
-    figure(f"Ray worker frozen: last said ready "
-           f"{[round(last_ready(s, frozen), 1) for s in samplers]} s after")
-    for sampler in samplers:
-        assert_truthful(sampler.seen, answers.seen, frozen, notice=NOTICE)
+    freeze_worker(leader, worker, base, sups, "Ray worker")
     figure(f"Ray worker frozen: stall restarts {restarts(sups[0])[1]:.0f}, group "
            f"restarts {[restarts(s)[0] for s in sups]}")
-
-    before = [restarts(s)[0] for s in sups]
-    samplers = [said_by(s) for s in sups]
-    assert worker.netns is not None
-    with samplers[0], samplers[1], Completions(leader, base) as answers:
-        cut = time.monotonic()
-        set_link(worker.netns, connected=False)
-        try:
-            time.sleep(2 * STALL_AFTER)
-            during = [restarts(s)[0] - b for s, b in zip(sups, before)]
-        finally:
-            set_link(worker.netns, connected=True)
-        back = time.monotonic()
-        serving_again(leader, answers, samplers, back, "serving again after the cut")
-    for sampler in samplers:
-        assert_truthful(sampler.seen, answers.seen, cut, notice=NOTICE)
-    figure(f"Ray, cut {back - cut:.0f} s: group restarts during it {during}, after "
-           f"{[restarts(s)[0] - b for s, b in zip(sups, before)]}")
-    assert all(d <= 1 for d in during), during
+    cut_between_nodes(leader, worker, base, sups, "Ray")
 
 
 def single_spec(http: int) -> str:

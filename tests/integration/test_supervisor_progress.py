@@ -44,11 +44,13 @@ replicas:
 
 
 class StepSupervisor(LocalSupervisor):
-    def replica(self, name: str = "step") -> dict[str, object]:
-        return super().replica(name)
+    name = "step"  # the replica it is asked about
+
+    def replica(self, name: str = "") -> dict[str, object]:
+        return super().replica(name or self.name)
 
     def state(self) -> str:
-        data = self.get("/v1/replicas/step", timeout=2)
+        data = self.get(f"/v1/replicas/{self.name}", timeout=2)
         return str(data["state"]) if isinstance(data, dict) else "no answer"
 
     def metric(self, name: str) -> float:
@@ -153,12 +155,7 @@ replicas:
 
 
 class SglangSupervisor(StepSupervisor):
-    def replica(self, name: str = "sg") -> dict[str, object]:
-        return LocalSupervisor.replica(self, name)
-
-    def state(self) -> str:
-        data = self.get("/v1/replicas/sg", timeout=2)
-        return str(data["state"]) if isinstance(data, dict) else "no answer"
+    name = "sg"
 
 
 def sglang_up(manager: UserManager, tmp_path: Path, *, generation: bool) -> SglangSupervisor:

@@ -103,8 +103,14 @@ def main() -> None:
     parser.add_argument("--steps-per-answer", type=int, default=3)
     parser.add_argument("--busy-wait", type=float, default=3.0)
     args = parser.parse_args()
-    engine = Handler.engine = Engine(args.steps_per_answer, args.busy_wait)
+    Handler.engine = Engine(args.steps_per_answer, args.busy_wait)
+    serve(Handler.engine, Handler, args.host, args.port)
 
+
+def serve(engine: Engine, handler: type[BaseHTTPRequestHandler], host: str, port: int
+          ) -> None:
+    """Step and serve until killed: SIGUSR1 freezes the steps, SIGUSR2 toggles a
+    saturating background load (shared with the SGLang stand-in)."""
     def freeze(*_: object) -> None:
         engine.frozen = True
         print("frozen: no step from now on", flush=True)
@@ -116,9 +122,9 @@ def main() -> None:
     signal.signal(signal.SIGUSR1, freeze)
     signal.signal(signal.SIGUSR2, busy)
     threading.Thread(target=engine.loop, daemon=True).start()
-    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
-    print(f"serving HTTP on {args.host}:{args.port}", flush=True)
+    print(f"serving HTTP on {host}:{port}", flush=True)
     server.serve_forever()
 
 

@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/standins
-from stepping_engine import Engine
+from stepping_engine import Engine, serve
 
 HEALTH_CHECK_TIMEOUT = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
 LABELS = 'engine_type="unified",model_name="{model}",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
@@ -157,25 +156,10 @@ def main() -> None:
         print("stand-in: rank >= 1, no HTTP server", flush=True)
         while True:
             time.sleep(3600)
-    engine = Handler.engine = Sglang(args.served_model_name or args.model_path)
+    Handler.engine = Sglang(args.served_model_name or args.model_path)
     Handler.metrics_on = args.enable_metrics
     Handler.up_at = time.monotonic() + float(os.environ.get("LLMGW_STANDIN_START", "1"))
-
-    def freeze(*_: object) -> None:
-        engine.frozen = True
-        print("stand-in: scheduler frozen", flush=True)
-
-    def busy(*_: object) -> None:
-        engine.background = 0 if engine.background else 6
-        print(f"stand-in: background load {engine.background}", flush=True)
-
-    signal.signal(signal.SIGUSR1, freeze)
-    signal.signal(signal.SIGUSR2, busy)
-    threading.Thread(target=engine.loop, daemon=True).start()
-    server = ThreadingHTTPServer((args.host, args.port), Handler)
-    server.daemon_threads = True
-    print(f"stand-in: SGLang serving on {args.host}:{args.port}", flush=True)
-    server.serve_forever()
+    serve(Handler.engine, Handler, args.host, args.port)
 
 
 if __name__ == "__main__":
