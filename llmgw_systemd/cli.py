@@ -13,9 +13,11 @@ import click
 
 from llmgw_systemd import __version__
 from llmgw_systemd.errors import BadInput, LlmgwError, NoShard, UsageError
+from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL
 from llmgw_systemd.spec.files import read_documents
 from llmgw_systemd.spec.model import Replica
 from llmgw_systemd.spec.replicas import build_spec
+from llmgw_systemd.supervisor.drain_requests import DEFAULT_STATE_DIR
 from llmgw_systemd.units.install import (
     CREATE,
     KEEP,
@@ -329,7 +331,20 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
         _table([("REPLICA", "RANK", "NODE", "STATE", "REASON")] + [
             (s.replica, f"{s.rank}/{s.ranks}", s.node, s.health.state, s.health.reason)
             for s in statuses])
+        for line in _drain_notes([s.replica for s in statuses], user_manager):
+            click.echo(line)
     sys.exit(0 if all(s.health.state == READY for s in statuses) else 3)
+
+
+def _drain_notes(replicas: list[str], user_manager: bool) -> list[str]:
+    """Who took which replica out of rotation on this node, and since when."""
+    from llmgw_systemd.supervisor import drain_requests
+
+    requests, _ = drain_requests.load(_default_state_dir(user_manager))
+    return [f"drained on this node: {r.replica or 'every replica'} by {r.by} since {r.since}"
+            + (f" ({r.reason})" if r.reason else "")
+            + f"; llmgw-systemd resume {r.replica or '--node'} puts it back"
+            for r in requests if r.replica is None or r.replica in replicas]
 
 
 def _table(rows: Sequence[tuple[str, ...]]) -> None:
@@ -392,6 +407,131 @@ def _print_cluster(replicas: list[Replica], node: str, statuses: list[ShardStatu
     sys.exit(0 if all_ready(rows) else 3)
 
 
+def _drain_targets(name: str | None, all_on_node: bool, specs: tuple[str, ...],
+                   node: str | None) -> tuple[str, list[Replica]]:
+    """This node's name and the replicas a drain or resume acts on (NAME, or every one
+    with a shard here)."""
+    from llmgw_systemd.supervisor.shard_reader import local_shards
+
+    if (name is None) == (not all_on_node):
+        raise UsageError("NAME", "name one replica, or pass --node for every replica with a "
+                         "shard on this node")
+    spec = build_spec(read_documents(specs or DEFAULT_SPECS))
+    node_name = node if node is not None else os.uname().nodename
+    shards = local_shards(spec, node_name)
+    here = [s.replica for s in shards if name is None or s.replica.name == name]
+    if name is not None and not here:
+        known = ", ".join(s.replica.name for s in shards) or "none"
+        raise UsageError("NAME", f"no replica '{name}' has a shard on node '{node_name}' "
+                         f"(replicas here: {known})")
+    return node_name, here
+
+
+DRAIN_OPTIONS = (
+    click.argument("name", required=False),
+    click.option("--node", "all_on_node", is_flag=True,
+                 help="Every replica with a shard on this node (before hardware work)."),
+    click.option("--spec", "specs", multiple=True, metavar="PATH",
+                 help=f"Spec file or folder (repeatable) [default: {DEFAULT_SPECS[0]}]."),
+    click.option("--node-name", "node", metavar="NAME",
+                 help="This node's name, as the spec's nodes[].name says it [default: this "
+                      "machine's host name]."),
+    USER_OPTION,
+    click.option("--state-dir", metavar="DIR",
+                 help="The supervisor's state directory, where drain requests are kept "
+                      "[default: /var/lib/llmgw-supervisor].")
+)
+
+
+def drain_options(function: F) -> F:
+    for option in reversed(DRAIN_OPTIONS):
+        function = option(function)
+    return function
+
+
+@systemd_group.command("drain")
+@drain_options
+@click.option("--reason", default="", metavar="TEXT", help="Why, for the API and the logs.")
+@click.option("--wait", is_flag=True,
+              help="Return once the local supervisor says the replica is drained (nothing "
+                   "in flight on its serving rank).")
+@click.option("--timeout", type=click.FloatRange(1, 86400), metavar="SECONDS",
+              help="With --wait: give up after this long [default: drain.delay + "
+                   "drain.timeout + 30].")
+@click.option("--supervisor", default=str(SUPERVISOR_LOCAL), show_default=True,
+              metavar="HOST:PORT", help="With --wait: the local supervisor's plain listener.")
+def drain_command(name: str | None, all_on_node: bool, specs: tuple[str, ...],
+                  node: str | None, user_manager: bool, state_dir: str | None, reason: str,
+                  wait: bool, timeout: float | None, supervisor: str) -> None:
+    """Take replica NAME (or, with --node, every replica with a shard on this node) out of
+    rotation on all its nodes, without stopping anything, until `llmgw-systemd resume`.
+    The request is kept in the supervisor's state directory: it survives a restart of the
+    supervisor and of the node.
+
+    Exit 0 once asked (with --wait: once drained), 2 on bad input, 1 when the request
+    cannot be written or (with --wait) the replica was not drained in time."""
+    import getpass
+    import time
+    from datetime import datetime, timezone
+
+    from llmgw_systemd.health.drain import DRAINED, DrainRequest
+    from llmgw_systemd.helpers.stop_group import ask_supervisor
+    from llmgw_systemd.supervisor import drain_requests
+
+    try:
+        node_name, replicas = _drain_targets(name, all_on_node, specs, node)
+        who = os.environ.get("SUDO_USER") or getpass.getuser()
+        since = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        folder = state_dir or _default_state_dir(user_manager)
+        path = drain_requests.save(folder, DrainRequest(name, who, since, reason))
+        click.echo(f"drain of {name or f'every replica on {node_name}'} asked by {who} "
+                   f"({path}); undo with: llmgw-systemd resume "
+                   f"{name or '--node'}")
+        if not wait:
+            return
+        bound = timeout if timeout is not None else max(
+            r.drain.delay + r.drain.timeout for r in replicas) + 30
+        deadline = time.monotonic() + bound
+        left = {r.name for r in replicas}
+        while left and time.monotonic() < deadline:
+            for replica in sorted(left):
+                view = ask_supervisor(supervisor, replica)
+                if view is not None and view.phase == DRAINED:
+                    click.echo(f"{replica}: drained")
+                    left.discard(replica)
+            if left:
+                time.sleep(0.5)
+        if left:
+            raise LlmgwError(f"not drained within {bound:g} s: {', '.join(sorted(left))} "
+                             f"(is the supervisor answering on {supervisor}? the request "
+                             "stays in effect)")
+    except LlmgwError as exc:
+        _fail("llmgw-systemd drain", exc)
+
+
+@systemd_group.command("resume")
+@drain_options
+def resume_command(name: str | None, all_on_node: bool, specs: tuple[str, ...],
+                   node: str | None, user_manager: bool, state_dir: str | None) -> None:
+    """Put replica NAME (or, with --node, what `drain --node` took out) back into rotation:
+    withdraw this node's drain request. Exit 0 done, 2 on bad input, 1 when the request
+    cannot be removed."""
+    from llmgw_systemd.supervisor import drain_requests
+
+    try:
+        node_name, _ = _drain_targets(name, all_on_node, specs, node)
+        folder = state_dir or _default_state_dir(user_manager)
+        removed = drain_requests.remove(folder, name)
+        what = name or f"every replica on {node_name}"
+        click.echo(f"resumed {what}" if removed else f"{what} had no drain request here")
+        requests, _ = drain_requests.load(folder)
+        if name is not None and any(r.replica is None for r in requests):
+            click.echo(f"note: a drain of every replica on {node_name} is still in effect "
+                       "(llmgw-systemd resume --node)")
+    except LlmgwError as exc:
+        _fail("llmgw-systemd resume", exc)
+
+
 def systemd_main() -> None:
     _run(cli=systemd_group, prog="llmgw-systemd")
 
@@ -403,7 +543,7 @@ def _default_state_dir(user_manager: bool) -> str:
     if user_manager:
         base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
         return os.path.join(base, "llmgw-supervisor")
-    return "/var/lib/llmgw-supervisor"
+    return DEFAULT_STATE_DIR
 
 
 def _endpoint_option(option: str, text: str) -> tuple[str, int]:

@@ -82,11 +82,11 @@ ROWS = {
         f"x]\n{TWO_NODES}", {0: ("engine",), 1: ("engine",)},
         Http(0, "0.0.0.0", 8100, "x", vllm.PROGRESS), (web(0, 8100), meet(29500)),
         frozenset({"VLLM_HOST_IP"}), True),
-    "vllm mp with a drain: the stop timeout must cover it": Row(
-        f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nargs: [--shutdown-timeout, '25']\n"
+    "vllm mp with a long drain: the common drain check covers it, not the engine": Row(
+        f"engine: vllm\nlaunch_mode: mp\nmodel: /m\ndrain: {{timeout: 25}}\n"
         f"stop_timeout: 35\n{ONE_NODE}", {0: ("engine",)},
         Http(0, "0.0.0.0", 8000, "/m", vllm.PROGRESS),
-        (web(0, 8000),), frozenset({"VLLM_HOST_IP"}), False, 35),
+        (web(0, 8000),), frozenset({"VLLM_HOST_IP"}), False, None),
     "vllm mp, one node: no master port": Row(
         f"engine: vllm\nlaunch_mode: mp\nmodel: /m\n{ONE_NODE}", {0: ("engine",)},
         Http(0, "0.0.0.0", 8000, "/m", vllm.PROGRESS), (web(0, 8000),),

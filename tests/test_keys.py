@@ -15,14 +15,17 @@ from llmgw_systemd.spec.engines.command import COMMAND_KEYS
 from llmgw_systemd.spec.engines.table import ENGINES
 from llmgw_systemd.spec.keys import REQUIRED, Key, integer, shown_mapping
 from llmgw_systemd.spec.policies import (
+    DRAIN_KEYS,
     GENERATION_KEYS,
     GROUP_RESTART_KEYS,
     HEALTH_KEYS,
     RESTART_KEYS,
+    DrainPolicy,
     GenerationCheck,
     GroupRestartPolicy,
     HealthCheck,
     RestartPolicy,
+    read_drain,
     read_group_restart,
     read_health,
     read_restart,
@@ -32,7 +35,7 @@ from llmgw_systemd.spec.reader import Reader
 TABLES: dict[str, tuple[Key[Any], ...]] = {
     "common": COMMON_KEYS, "node": NODE_KEYS, "command": COMMAND_KEYS,
     "restart": RESTART_KEYS, "group_restart": GROUP_RESTART_KEYS, "health": HEALTH_KEYS,
-    "generation": GENERATION_KEYS,
+    "generation": GENERATION_KEYS, "drain": DRAIN_KEYS,
     **{f"engine {name}": entry.keys for name, entry in ENGINES.items()},
 }
 ROWS = [(table, row) for table, rows in TABLES.items() for row in rows]
@@ -56,7 +59,8 @@ def _as_spec(value: Any) -> Any:
 
 # rows whose default is a plain value a spec could spell (not required, none, or a policy)
 PLAIN = [(t, r) for t, r in ROWS if not r.required and r.default not in (None, ())
-         and not isinstance(r.default, (RestartPolicy, GroupRestartPolicy, HealthCheck))]
+         and not isinstance(r.default, (RestartPolicy, GroupRestartPolicy, HealthCheck,
+                                        DrainPolicy))]
 
 
 @pytest.mark.parametrize(("table", "row"), PLAIN, ids=[f"{t}.{r.name}" for t, r in PLAIN])
@@ -76,6 +80,7 @@ def test_every_row_says_what_it_is(table: str, row: Key[Any]) -> None:
     (read_restart, RESTART_KEYS, RestartPolicy()),
     (read_group_restart, GROUP_RESTART_KEYS, GroupRestartPolicy()),
     (read_health, HEALTH_KEYS, HealthCheck()),
+    (read_drain, DRAIN_KEYS, DrainPolicy()),
 ])
 def test_a_policy_given_empty_is_its_rows_defaults(read: Any, keys: tuple[Key[Any], ...],
                                                     default: Any) -> None:

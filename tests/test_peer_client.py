@@ -236,6 +236,21 @@ def test_good_answer(serve: Callable[..., Server], framing: str) -> None:
     assert server.connections == 1
 
 
+@pytest.mark.parametrize(("fields", "draining", "drained"), [
+    ({}, None, False),  # a peer of an earlier version says nothing of a drain
+    ({"draining": None, "drained": False}, None, False),
+    ({"draining": "planned restart of llmgw-r.target on b", "drained": False},
+     "planned restart of llmgw-r.target on b", False),
+    ({"draining": "planned stop of llmgw-r.target on a", "drained": True},
+     "planned stop of llmgw-r.target on a", True),
+])
+def test_a_peer_says_whether_it_drains(serve: Callable[..., Server], fields: dict[str, Any],
+                                       draining: str | None, drained: bool) -> None:
+    server = serve(answer({**REPORT, "shards": [{**SHARD, **fields}]}))
+    shard = fetch(server).shards[0]
+    assert (shard.draining, shard.drained) == (draining, drained)
+
+
 @pytest.mark.parametrize(("clock", "started", "up_for"), [
     (1000, 958, 42), (1000, 1000, 0),
     (1000, None, None),  # its engine is not running
@@ -470,7 +485,11 @@ MALFORMED = [
      "shards: expected at most 1000 shards; got 1001"),
     ("shard not an object", {**REPORT, "shards": [SHARD, 3]},
      "shards[1]: expected a mapping with keys replica, rank, node, state, reason, generation, "
-     "serving, started; got a number (3)"),
+     "serving, started, draining, drained; got a number (3)"),
+    ("draining not a string", {**REPORT, "shards": [{**SHARD, "draining": 7}]},
+     "shards[0].draining: expected why that node drains the replica"),
+    ("drained not a boolean", {**REPORT, "shards": [{**SHARD, "drained": "yes"}]},
+     "shards[0].drained: expected whether the serving rank is drained"),
     ("started negative", {**REPORT, "clock": 50, "shards": [{**SHARD, "started": -1}]},
      "shards[0].started: expected when its engine started"),
     ("started not a number", {**REPORT, "clock": 50, "shards": [{**SHARD, "started": "x"}]},

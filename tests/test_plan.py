@@ -38,11 +38,12 @@ def replica(body: str) -> Replica:
      {"ray-head": (1,), "engine": VLLM}),
     ("vLLM on Ray, worker (ray start only)", f"engine: vllm\nmodel: /m\n{TWO_NODES}", 1,
      {"engine": (1, "SIGKILL")}),
+    # every engine stops through llmgw-stop-group, whose SIGKILL inside the stop is clean
     ("SGLang (a stand-in only: nothing measured)", f"engine: sglang\nmodel: /m\n{TWO_NODES}",
-     0, {"engine": ()}),
-    ("a command: exit 0 is the only clean one", "engine: command\nserving_rank: null\n"
+     0, {"engine": ("SIGKILL",)}),
+    ("a command: exit 0 is the only clean exit", "engine: command\nserving_rank: null\n"
      "nodes: [{name: a, address: 10.0.0.1}]\nranks: [{commands: [{argv: [/bin/true]}]}]", 0,
-     {"engine": ()}),
+     {"engine": ("SIGKILL",)}),
 ])
 def test_clean_exit_statuses(what: str, body: str, rank: int,
                              statuses: dict[str, tuple[int | str, ...]]) -> None:
@@ -105,27 +106,42 @@ def test_stop_timeout_reaches_every_member() -> None:
     assert {s.timeout_stop_sec for s in plan_shard(r, 0, SYSTEM).services} == {240}
 
 
+def drain(*, serving: bool, delay: int = 5, timeout: int = 20) -> tuple[str, ...]:
+    """The drain step's arguments (every engine's stop begins with it)."""
+    return ("--drain", "r", "--supervisor", "127.0.0.1:9470", "--drain-delay", str(delay),
+            "--drain-timeout", str(timeout), *(("--serving",) if serving else ()))
+
+
 @pytest.mark.parametrize(("body", "rank", "stopped_by_helper"), [
     (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nstop_timeout: 40\n{TWO_NODES}", 1,
-     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "35")}),
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "35", *drain(serving=False))}),
     # a worker's ray start (KillMode=mixed): the main process first, as mixed does; the
     # head keeps plain mixed (its stop races the leader's restart delay)
     # the serving rank: a quick stop when it does not answer its health check
     (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 0,
      {"ray-head": None, "engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--health",
-                                   "http://127.0.0.1:8000/health", "--unserved-grace", "5")}),
+                                   "http://127.0.0.1:8000/health", "--unserved-grace", "5",
+                                   *drain(serving=True))}),
     (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nhost: 10.0.0.1\nport: 9000\n"
      f"health: {{path: /ping}}\n{TWO_NODES}", 0,
      {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--health",
-                 "http://10.0.0.1:9000/ping", "--unserved-grace", "5")}),
+                 "http://10.0.0.1:9000/ping", "--unserved-grace", "5", *drain(serving=True))}),
     (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nhost: '::'\n{TWO_NODES}", 0,
      {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--health",
-                 "http://[::1]:8000/health", "--unserved-grace", "5")}),
+                 "http://[::1]:8000/health", "--unserved-grace", "5", *drain(serving=True))}),
     # a grace no longer than the quick one: nothing to shorten
-    (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nstop_timeout: 10\n{TWO_NODES}", 0,
-     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "5")}),
+    (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nstop_timeout: 10\n"
+     f"drain: {{delay: 0, timeout: 5}}\n{TWO_NODES}", 0,
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "5",
+                 *drain(serving=True, delay=0, timeout=5))}),
     (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 1,
-     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--main-first")}),
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--main-first",
+                 *drain(serving=False))}),
+    # every engine drains first; a command whose rank serves nothing is no --serving
+    ("engine: command\nserving_rank: null\nnodes: [{name: a, address: 10.0.0.1}]\n"
+     "ranks: [{commands: [{name: side, argv: [/bin/side]}, {argv: [/bin/true]}]}]", 0,
+     {"side": None, "engine": ("/usr/bin/llmgw-stop-group", "--grace", "25",
+                               *drain(serving=False))}),
 ])
 def test_vllm_is_stopped_by_the_group_helper_within_the_stop_timeout(
         body: str, rank: int, stopped_by_helper: dict[str, tuple[str, ...] | None]) -> None:

@@ -62,6 +62,8 @@ class PeerShard:
     # seconds its engine had run in this generation when the peer answered (None: not
     # running, or a peer too old to say): when a leader started, on this node's clock
     up_for: int | None = None
+    draining: str | None = None  # why that node drains the replica (health/drain.py)
+    drained: bool = False  # the serving rank's node: nothing in flight any more
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,9 @@ Rules (docs/supervisor.md):
   not one step for `stall_after` seconds (or the check failing that long with the
   metrics unreadable) is a stall: the rank is failed, and the group restarts as after a
   death, under the same backoff and budget.
+- A planned stop or an operator's drain on any node takes the replica out of rotation
+  (`draining`, then `drained` once the serving rank has nothing in flight) before any
+  process is signalled (drain.py); a failure never does.
 """
 
 from __future__ import annotations
@@ -35,14 +38,26 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from llmgw_systemd.health.drain import (
+    DRAINED,
+    Drain,
+    DrainProgress,
+    DrainRequest,
+    Stopping,
+    origin,
+    progress,
+    stopping,
+)
 from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
 from llmgw_systemd.health.group_restart import GIVE_UP, NOW, GroupRestartPolicy, decide
 from llmgw_systemd.health.progress import BUSY, STALLED, Liveness, ProgressReading, liveness
 from llmgw_systemd.health.rules import (
     DEGRADED,
+    DRAINING,
     FAILED,
     NO_ANSWER,
     READY,
+    ROUTABLE_STATES,
     STARTING,
     STOPPED,
     UNKNOWN,
@@ -82,6 +97,10 @@ class ReplicaPolicy:
     # after this node restarted its shard, how long its old generation may still be
     # seen (stopping, a serving rank draining) before the restart counts as lost
     restart_hold: float = 0
+    drain_delay: float = 5  # the spec's drain (health/drain.py)
+    drain_timeout: float = 20
+    target: str = ""  # this node's target, as a planned stop of it is described
+    serving_rank: int | None = None  # the rank that serves HTTP, if one does
 
 
 @dataclass(frozen=True)
@@ -100,6 +119,8 @@ class Memory:
     # (this node's generation, when) of the last restart it made of its shard: until
     # that generation is gone, the restart is under way and no other is asked for
     restart_pending: tuple[str, float] | None = None
+    drain: Drain | None = None  # a drain in progress (drain.py)
+    routable: bool = False  # what the last judgement said: a drain starting now was served
 
 
 DEATH, STALL = "death", "stall"
@@ -125,6 +146,9 @@ class Verdict:
     notes: tuple[str, ...] = ()  # log lines: what was decided and why
     next_restart: str = ""
     liveness: Liveness | None = None  # this node's serving rank, from its progress
+    routable: bool = False  # a gateway should send it new requests
+    drain: DrainProgress | None = None  # where a drain in progress stands
+    stopping: Stopping | None = None  # this node's target: a planned stop, our restart
 
     @property
     def settled(self) -> bool:
@@ -173,13 +197,15 @@ def local_rank(policy: ReplicaPolicy, memory: Memory, local: LocalEvidence | Non
                systemd_error: str, probe: ProbeEvidence | None,
                now: float, completion: ProbeEvidence | None = None,
                progress: Sequence[ProgressReading] = (),
+               requests: tuple[DrainRequest, ...] = (),
                ) -> tuple[RankReport, str, Memory, Liveness | None]:
     """This node's rank: its report, its generation, the updated memory, and (for the
     serving rank, with stall detection on) what its engine's progress says."""
     node = policy.nodes[policy.rank]
     if local is None:
         why = f"systemd unreachable: {systemd_error}" if systemd_error else "no data yet"
-        return RankReport(policy.rank, node, UNKNOWN, why), "", memory, None
+        asked = origin(policy.name, node, policy.target, "", False, requests)
+        return RankReport(policy.rank, node, UNKNOWN, why, draining=asked), "", memory, None
     generation = local.generation
     # from an earlier start of the shard, or too old to say anything: not evidence
     valid = _current(probe, generation, policy.probe_fresh, now)
@@ -215,8 +241,10 @@ def local_rank(policy: ReplicaPolicy, memory: Memory, local: LocalEvidence | Non
         # A stall counts once the rank has served in this start: before, the engine is
         # still starting (vLLM has no /metrics until it listens).
         health = Health(FAILED, f"stalled: {live.reason}")
-    return (RankReport(policy.rank, node, health.state, health.reason), generation, memory,
-            live)
+    cause = origin(policy.name, node, policy.target, local.target.job_type,
+                   memory.restart_pending is not None, requests)
+    return (RankReport(policy.rank, node, health.state, health.reason, draining=cause),
+            generation, memory, live)
 
 
 def counts(policy: ReplicaPolicy, seen: PeerEvidence, shard: PeerShard) -> bool:
@@ -261,18 +289,21 @@ def peer_rank(policy: ReplicaPolicy, rank: int, seen: PeerEvidence | None,
         return unknown(f"the supervisor on {node} reports no shard of {policy.name}")
     last = found[-1]
     started = None if last.up_for is None else seen.received_at - last.up_for
-    return RankReport(rank, node, last.state, last.reason), last.generation, started
+    return (RankReport(rank, node, last.state, last.reason, draining=last.draining,
+                       drained=last.drained), last.generation, started)
 
 
 def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
           systemd_error: str = "", probe: ProbeEvidence | None,
           peers: Mapping[str, PeerEvidence], now: float,
           completion: ProbeEvidence | None = None,
-          progress: Sequence[ProgressReading] = ()) -> Verdict:
+          progress: Sequence[ProgressReading] = (),
+          requests: tuple[DrainRequest, ...] = ()) -> Verdict:
     """One replica's health, and what to do about it. progress: the serving rank's
-    metrics readings, oldest first (progress.keep bounds them)."""
+    metrics readings, oldest first (progress.keep bounds them); requests: the operators'
+    drains in effect on this node."""
     mine, generation, memory, live = local_rank(policy, memory, local, systemd_error, probe,
-                                                now, completion, progress)
+                                                now, completion, progress, requests)
     reports = [mine]
     generations = {policy.rank: generation}
     leader_started: float | None = None
@@ -296,8 +327,44 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
     # (reset-failed): a group restart here would spend the budget and start nothing
     held = local is not None and any(u.active_state == "failed" and u.result == START_LIMIT
                                      for u in local.members)
-    return _group_restart(policy, verdict, now, engine_since=local.engine_since if local else None,
-                          leader_started=leader_started, start_limited=held)
+    verdict = _group_restart(policy, verdict, now,
+                             engine_since=local.engine_since if local else None,
+                             leader_started=leader_started, start_limited=held)
+    own = stopping(local.target.job_type, verdict.memory.restart_pending is not None) \
+        if local is not None else None
+    return _drain(policy, replace(verdict, stopping=own), now, progress)
+
+
+def _drain(policy: ReplicaPolicy, verdict: Verdict, now: float,
+           readings: Sequence[ProgressReading]) -> Verdict:
+    """A drain on any node takes the replica out of rotation (drain.py): `draining`
+    until the serving rank has nothing in flight, then `drained`. A failed replica stays
+    failed, and a stopped one stopped: neither is in rotation anyway."""
+    memory, health = verdict.memory, verdict.health
+    causes = tuple(r.draining for r in verdict.ranks if r.draining is not None)
+    if not causes or health.state in (FAILED, STOPPED):
+        routable = not causes and health.state in ROUTABLE_STATES
+        ranks = tuple(replace(r, drained=False) if r.rank == policy.rank else r
+                      for r in verdict.ranks)
+        return replace(verdict, ranks=ranks, routable=routable,
+                       memory=replace(memory, drain=None, routable=routable))
+    held = memory.drain
+    drain = Drain(now, memory.routable, causes) if held is None else replace(held, causes=causes)
+    serving = next((r for r in verdict.ranks if r.rank != policy.rank
+                    and policy.serving_rank == r.rank), None)
+    generation = dict(verdict.generations).get(policy.rank, "")
+    reading = next((r for r in reversed(readings) if r.generation == generation), None)
+    state = progress(drain, now, policy.drain_delay, policy.drain_timeout,
+                     serving_here=policy.serving,
+                     pending=reading.pending if reading is not None else None,
+                     pending_at=reading.taken_at if reading is not None else None,
+                     serving_drained=None if serving is None else serving.drained)
+    ranks = tuple(replace(r, drained=state.phase == DRAINED) if r.rank == policy.rank else r
+                  for r in verdict.ranks)
+    phase: State = DRAINED if state.phase == DRAINED else DRAINING
+    return replace(verdict, ranks=ranks, routable=False, drain=state,
+                   health=Health(phase, f"{state.reason} ({'; '.join(causes)})"),
+                   memory=replace(memory, drain=drain, routable=False))
 
 
 def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,

@@ -18,15 +18,23 @@ from typing import Final, Literal
 from llmgw_systemd.health.unit_state import UnitState
 
 # The health of a shard, a rank or a replica: a closed vocabulary, also on the wire
-# (/v1/shards) and in the metrics' labels.
-State = Literal["stopped", "starting", "ready", "degraded", "failed", "unknown"]
+# (/v1/shards) and in the metrics' labels. `draining` and `drained` are a replica's only
+# (health/drain.py): a rank's report says its drain in fields of their own.
+State = Literal["stopped", "starting", "ready", "degraded", "failed", "unknown",
+                "draining", "drained"]
 STOPPED: Final = "stopped"
 STARTING: Final = "starting"
 READY: Final = "ready"
 DEGRADED: Final = "degraded"
 FAILED: Final = "failed"
 UNKNOWN: Final = "unknown"
-STATES: tuple[State, ...] = (STOPPED, STARTING, READY, DEGRADED, FAILED, UNKNOWN)
+DRAINING: Final = "draining"
+DRAINED: Final = "drained"
+# what a rank can be: the vocabulary of a shard report on the wire
+RANK_STATES: tuple[State, ...] = (STOPPED, STARTING, READY, DEGRADED, FAILED, UNKNOWN)
+STATES: tuple[State, ...] = (*RANK_STATES, DRAINING, DRAINED)
+# Where a gateway should send new requests: a ready replica (busy included) only.
+ROUTABLE_STATES: tuple[State, ...] = (READY,)
 # A checked spelling -> its State (a lookup, so the type needs no cast).
 STATE_BY_NAME: dict[str, State] = {s: s for s in STATES}
 
@@ -60,6 +68,10 @@ class RankReport:
     node: str
     state: State
     reason: str
+    # why this rank's node drains the replica (a planned stop there, an operator's
+    # request), or None; and, from the serving rank's node, whether it is drained
+    draining: str | None = None
+    drained: bool = False
 
 
 def _seconds(usec: int) -> str:

@@ -21,6 +21,7 @@ class UnitState:
     active_enter_usec: int = 0  # when it last became active (monotonic)
     state_change_usec: int = 0  # when its state last changed (monotonic)
     invocation_id: str = ""  # hex; new on every start of the unit ("" before the first)
+    job_type: str = ""  # the job queued or running on it (stop, restart, ...), "" for none
 
     @property
     def is_active(self) -> bool:

@@ -11,6 +11,17 @@ systemd runs it on every stop. `systemctl stop` still waits for it, bounded by
 TimeoutStopSec=, which stays the backstop.
 
     llmgw-stop-group --grace SECONDS [--main-first] [--health URL --unserved-grace SECONDS]
+                     [--drain REPLICA --supervisor HOST:PORT --drain-delay S
+                      --drain-timeout S [--serving]]
+
+--drain (every engine unit): before any signal, the drain step (health/drain.py). It asks
+the local supervisor (GET /v1/replicas/REPLICA on --supervisor, plain HTTP on loopback)
+whether this stop is planned: then the replica is out of rotation for --drain-delay
+seconds before anything is signalled, and a worker rank (no --serving) also waits, for
+at most --drain-timeout more, until the serving rank has nothing in flight. A stop whose
+main process is gone, one that systemd passes on from a dead member, and the supervisor's
+own group restart go at once; with no supervisor answering, the delay alone. The drain's
+time comes out of --grace: the last SIGKILL stays inside TimeoutStopSec=.
 
 --health (the serving rank's unit): a rank that does not answer GET URL with 200 within
 a second when the stop begins has served nothing in this start, or can serve nothing
@@ -34,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import json
 import os
 import signal
 import sys
@@ -43,12 +55,24 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from llmgw_systemd import __version__
+from llmgw_systemd.health.drain import (
+    DRAINED,
+    DRAINING,
+    GROUP_RESTART,
+    PLANNED,
+    Phase,
+    Stopping,
+    StopView,
+    step,
+)
 
 PROG = "llmgw-stop-group"
 CGROUP_FS = Path("/sys/fs/cgroup")
 POLL = 0.1  # seconds between looks at the group
 KILL_WAIT = 5.0  # seconds for SIGKILLed processes to be reaped
 HEALTH_TIMEOUT = 1.0  # seconds a serving rank has to answer its health check at the stop
+ASK_TIMEOUT = 0.5  # seconds the local supervisor has to answer the drain step
+ASK_EVERY = 0.25  # seconds between the drain step's questions
 
 
 def own_cgroups(proc_self_cgroup: str) -> list[Path]:
@@ -157,6 +181,73 @@ def answers_health(url: str, timeout: float = HEALTH_TIMEOUT) -> bool:
         conn.close()
 
 
+def ask_supervisor(address: str, replica: str, timeout: float = ASK_TIMEOUT
+                   ) -> StopView | None:
+    """What the local supervisor says of the replica, for the drain step; None when it
+    does not answer, or not as expected."""
+    host, _, port = address.rpartition(":")
+    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+    try:
+        conn.request("GET", f"/v1/replicas/{replica}", headers={"User-Agent": PROG})
+        response = conn.getresponse()
+        if response.status != 200:
+            return None
+        data = json.loads(response.read(1 << 20))
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
+    return view_of(data)
+
+
+def view_of(data: object) -> StopView | None:
+    """The drain step's view of a /v1/replicas/NAME answer (None if it is not one)."""
+    if not isinstance(data, dict) or not isinstance(data.get("routable"), bool):
+        return None
+    stoppings: dict[object, Stopping] = {PLANNED: PLANNED, GROUP_RESTART: GROUP_RESTART}
+    phases: dict[object, Phase] = {DRAINING: DRAINING, DRAINED: DRAINED}
+    stopping = stoppings.get(data.get("stopping"))
+    drain = data.get("drain")
+    phase = None
+    drained_for = 0.0
+    if isinstance(drain, dict):
+        phase = phases.get(drain.get("phase"))
+        age = drain.get("for")
+        if isinstance(age, (int, float)) and not isinstance(age, bool):
+            drained_for = max(0.0, float(age))
+    return StopView(data["routable"], stopping, phase, drained_for)
+
+
+def drain_first(args: argparse.Namespace) -> float:
+    """The drain step: wait as health/drain.py says, asking the local supervisor; the
+    seconds it took."""
+    started = time.monotonic()
+    main_pid = os.environ.get("MAINPID", "")
+    main_alive = main_pid.isdigit() and int(main_pid) > 1 and _exists(int(main_pid))
+    said = ""
+    while True:
+        elapsed = time.monotonic() - started
+        view = ask_supervisor(args.supervisor, args.drain) if main_alive else None
+        decision = step(view, time.monotonic() - started, args.drain_delay,
+                        args.drain_timeout, serving=args.serving, main_alive=main_alive)
+        if decision.reason != said:
+            print(f"{PROG}: {args.drain}: {decision.reason}", flush=True)
+            said = decision.reason
+        if decision.go or elapsed > args.grace:
+            return time.monotonic() - started
+        time.sleep(ASK_EVERY)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def chosen_grace(grace: float, unserved_grace: float | None, serving: bool | None) -> float:
     """The grace of this stop: the full one unless the unit is known not to serve."""
     if unserved_grace is None or serving is None or serving:
@@ -182,13 +273,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--unserved-grace", type=float, metavar="SECONDS",
                         help="seconds between SIGTERM and SIGKILL for a unit that does "
                         "not answer --health (nothing to drain)")
+    parser.add_argument("--drain", metavar="REPLICA",
+                        help="drain first: a planned stop keeps the replica out of rotation "
+                        "for --drain-delay before any signal (docs/supervisor.md, Drain)")
+    parser.add_argument("--supervisor", metavar="HOST:PORT",
+                        help="the local supervisor's plain HTTP API (with --drain)")
+    parser.add_argument("--drain-delay", type=float, metavar="SECONDS",
+                        help="seconds out of rotation before any signal (with --drain)")
+    parser.add_argument("--drain-timeout", type=float, metavar="SECONDS",
+                        help="seconds the requests in flight may take (with --drain)")
+    parser.add_argument("--serving", action="store_true",
+                        help="this unit serves HTTP: it drains on SIGTERM itself, so it "
+                        "waits only the delay (with --drain)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("grace", "unserved_grace"):
+    for name in ("grace", "unserved_grace", "drain_delay", "drain_timeout"):
         value = getattr(args, name)
         if value is not None and not 0 <= value <= 86400:
             parser.error(f"--{name.replace('_', '-')} must be 0 to 86400 seconds")
@@ -196,13 +299,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--health and --unserved-grace go together")
     if args.health is not None and not args.health.startswith("http://"):
         parser.error(f"--health: expected http://HOST:PORT/PATH; got '{args.health}'")
+    drain_args = (args.supervisor, args.drain_delay, args.drain_timeout)
+    if args.drain is None and (any(a is not None for a in drain_args) or args.serving):
+        parser.error("--supervisor, --drain-delay, --drain-timeout and --serving go with "
+                     "--drain")
+    if args.drain is not None and any(a is None for a in drain_args):
+        parser.error("--drain needs --supervisor, --drain-delay and --drain-timeout")
+    if args.supervisor is not None and not _is_address(args.supervisor):
+        parser.error(f"--supervisor: expected HOST:PORT; got '{args.supervisor}'")
     groups = own_cgroups(Path("/proc/self/cgroup").read_text())
     if not groups:
         print(f"{PROG}: cannot find this unit's control group", file=sys.stderr)
         sys.exit(1)
+    drained = drain_first(args) if args.drain is not None else 0.0
     # asked before any signal: once SIGTERMed, a serving rank stops answering
     serving = answers_health(args.health) if args.health is not None else None
-    grace = chosen_grace(args.grace, args.unserved_grace, serving)
+    grace = max(0.0, chosen_grace(args.grace, args.unserved_grace, serving) - drained)
     if grace < args.grace:
         print(f"{PROG}: {args.health} does not answer: nothing to drain, SIGKILL after "
               f"{grace:g} s", flush=True)
@@ -212,6 +324,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(0)  # no main process any more: systemd's KillMode= ends the rest
         sys.exit(0 if stop_main_first(groups, int(main_pid), grace) else 1)
     sys.exit(0 if stop_group(groups, grace) else 1)
+
+
+def _is_address(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from llmgw_systemd.spec.keys import (
 from llmgw_systemd.spec.model import Node
 from llmgw_systemd.spec.names import MAX_REPLICA_NAME, is_node_name, is_word
 from llmgw_systemd.spec.policies import (
+    DRAIN,
     GROUP_RESTART_KEYS,
     HEALTH_KEYS,
     RESTART_KEYS,
@@ -169,11 +170,10 @@ ENVIRONMENT_FILE: Key[str | None] = Key(
     "absolute path of a root-only `KEY=value` file (`EnvironmentFile=`): put `HF_TOKEN`, "
     "`VLLM_API_KEY` there")
 STOP_TIMEOUT = Key("stop_timeout", seconds(1, 86400), DEFAULT_STOP_TIMEOUT,
-                   "`TimeoutStopSec=` of every member, then SIGKILL: vLLM exits within a "
-                   "second of SIGTERM once ready, within 7 s while it starts, a headless rank "
-                   "after about 10 s; a worker orphaned by a killed rank ignores SIGTERM and "
-                   "waits for this. Must exceed vLLM's `--shutdown-timeout` (its drain) by "
-                   "10 s.")
+                   "`TimeoutStopSec=` of every member: a planned stop's drain (`drain`) and "
+                   "then the SIGKILL of what is left must fit in it, so it must be at least "
+                   "`drain.delay + drain.timeout + 5`. vLLM exits within a second of SIGTERM "
+                   "once idle, within 7 s while it starts, a headless rank after about 10 s.")
 # The service account both packages create (packaging/sysusers); root only when said.
 SERVICE_ACCOUNT = "llmgw"
 ROOT_USERS = ("root", "0")
@@ -286,5 +286,5 @@ HEALTH = Key("health", read_health, HealthCheck(),
 COMMON_KEYS: tuple[Key[Any], ...] = (
     NAME, ENGINE, ENABLE, NODES, RENDEZVOUS_TIMEOUT, PORT_RELEASE_TIMEOUT, GPUS, ENV,
     ENVIRONMENT_FILE, STOP_TIMEOUT, USER, GROUP, SUPPLEMENTARY_GROUPS, READ_WRITE_PATHS,
-    DEVICES, HARDENING, RESTART, GROUP_RESTART, HEALTH)
+    DEVICES, HARDENING, RESTART, GROUP_RESTART, HEALTH, DRAIN)
 COMMON_KEY_NAMES = tuple(k.name for k in COMMON_KEYS)

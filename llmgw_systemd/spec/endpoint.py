@@ -9,6 +9,9 @@ import re
 from dataclasses import dataclass
 
 HOSTNAME_LABEL_RE = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")
+# The supervisor's API port: where it listens, where peers dial it, and (on loopback,
+# plain HTTP) where the units' drain step asks it (docs/supervisor.md, "Drain").
+SUPERVISOR_PORT = 9470
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,9 @@ class Endpoint:
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
+
+# The supervisor's plain listener on loopback (its default, or --local beside TLS)
+SUPERVISOR_LOCAL = Endpoint("127.0.0.1", SUPERVISOR_PORT)
 
 
 def parse_endpoint(text: str) -> Endpoint | str:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmgw_systemd.spec.policies import GroupRestartPolicy, HealthCheck, RestartPolicy
+from llmgw_systemd.spec.policies import (
+    DrainPolicy,
+    GroupRestartPolicy,
+    HealthCheck,
+    RestartPolicy,
+)
 
 if TYPE_CHECKING:
     from llmgw_systemd.spec.engines.base import EngineSettings, Http
@@ -48,6 +53,8 @@ class Replica:
     # Start at boot: the generator links the target into multi-user.target (or
     # default.target); llmgw-render --apply enables and starts it.
     enable: bool = False
+    # a planned stop: out of rotation, then drained (health/drain.py)
+    drain: DrainPolicy = field(default_factory=DrainPolicy)
 
     @property
     def http(self) -> Http | None:

@@ -1,4 +1,4 @@
-"""The spec's nested policies (pure): restart, group_restart and health, each a frozen
+"""The spec's nested policies (pure): restart, group_restart, health and drain, each a frozen
 record beside the rows of its keys. A field's default is its row's default, so each
 number is written once; the README shows them from the same rows."""
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw_systemd.spec.document import KeyPath
-from llmgw_systemd.spec.keys import Key, integer, read_all, seconds
+from llmgw_systemd.spec.keys import Key, integer, read_all, seconds, shown_mapping
 from llmgw_systemd.spec.reader import Reader
 
 # -- restart: systemd's own restarts of a shard's members -------------------------------
@@ -143,3 +143,51 @@ class HealthCheck:
 
 def read_health(reader: Reader, value: Any, path: KeyPath) -> HealthCheck:
     return HealthCheck(**read_all(reader, HEALTH_KEYS, value, path))
+
+
+# -- drain: a planned stop or restart takes the replica out of rotation first ------------
+
+DRAIN_KEYS = (
+    Key("delay", seconds(0, 3600, "seconds out of rotation before any process is "
+                         "signalled"), 5,
+        "seconds every supervisor reports the replica `draining` (not routable) before any "
+        "process of a planned stop gets a signal: a gateway checking every 1-2 s has "
+        "taken it out by then"),
+    Key("timeout", seconds(0, 86400, "seconds the requests in flight may take to finish"),
+        20, "how long the serving rank may finish what it has in flight (vLLM's "
+        "`--shutdown-timeout`, SGLang's and a command's SIGTERM drain); a worker rank's "
+        "planned stop waits as long for the serving rank to be drained"),
+)
+_D_DELAY, _D_TIMEOUT = DRAIN_KEYS
+# Seconds of TimeoutStopSec= left after llmgw-stop-group's last SIGKILL: so the stop
+# ends inactive by our SIGKILL, never by systemd's timeout (Result=timeout).
+STOP_MARGIN = 5
+
+
+@dataclass(frozen=True)
+class DrainPolicy:
+    """A replica's drain (health/drain.py): on a planned stop, `delay` seconds out of
+    rotation before any signal, then at most `timeout` seconds for the requests in
+    flight."""
+
+    delay: int = _D_DELAY.default
+    timeout: int = _D_TIMEOUT.default
+
+    @property
+    def least_stop_timeout(self) -> int:
+        """The shortest stop_timeout that holds a whole drain and then the SIGKILL."""
+        return self.delay + self.timeout + STOP_MARGIN
+
+
+def read_drain(reader: Reader, value: Any, path: KeyPath) -> DrainPolicy:
+    return DrainPolicy(**read_all(reader, DRAIN_KEYS, value, path))
+
+
+DRAIN = Key("drain", read_drain, DrainPolicy(),
+            "a planned stop or restart of the replica on any node (`systemctl "
+            "stop|restart` of its target, `llmgw-render --apply`, its removal, a node "
+            "shutting down) first reports it `draining` on every node for `delay` s, then "
+            "lets the serving rank finish what it has in flight for up to `timeout` s, and "
+            "only then stops the ranks; failures never wait. `stop_timeout` must be at least "
+            f"delay + timeout + {STOP_MARGIN} s (docs/supervisor.md, \"Drain\")",
+            shown=shown_mapping(DRAIN_KEYS))

@@ -20,6 +20,7 @@ from llmgw_systemd.spec.document import Document, KeyPath
 from llmgw_systemd.spec.engines.base import EngineEntry
 from llmgw_systemd.spec.engines.table import ENGINES
 from llmgw_systemd.spec.model import Replica, Spec
+from llmgw_systemd.spec.policies import DRAIN, STOP_MARGIN
 from llmgw_systemd.spec.reader import DocumentReader
 
 # (every key some engine allows, the common ones first; engine -> the keys it allows)
@@ -115,11 +116,19 @@ def _replica(reader: DocumentReader, raw: Any, path: KeyPath, table: KeyTable) -
     engine = entry.read(reader, data, path, nodes)
 
     stop_timeout = keys.STOP_TIMEOUT.read(reader, data, path)
+    drain = DRAIN.read(reader, data, path)
     least = engine.least_stop_timeout()
     if least is not None and stop_timeout < least[0]:
         where = (*path, "stop_timeout") if "stop_timeout" in data else path
         raise reader.fail(where, f"stop_timeout ({stop_timeout} s) must be at least "
                           f"{least[1]}; set stop_timeout")
+    if stop_timeout < drain.least_stop_timeout:
+        where = (*path, "stop_timeout") if "stop_timeout" in data else (*path, "drain")
+        raise reader.fail(where, f"stop_timeout ({stop_timeout} s) must be at least "
+                          f"drain.delay + drain.timeout + {STOP_MARGIN} s "
+                          f"({drain.delay} + {drain.timeout} + {STOP_MARGIN} = "
+                          f"{drain.least_stop_timeout} s), or systemd kills the engine "
+                          "while it drains; raise stop_timeout or shorten drain")
     gpus = keys.GPUS.read(reader, data, path)
     # What the units set themselves, and from which key: the spec's env may not set it.
     # A node's own env may set CUDA_VISIBLE_DEVICES (that node's GPUs differ).
@@ -152,6 +161,7 @@ def _replica(reader: DocumentReader, raw: Any, path: KeyPath, table: KeyTable) -
         group_restart=keys.GROUP_RESTART.read(reader, data, path),
         source=reader.doc.file,
         enable=keys.ENABLE.read(reader, data, path),
+        drain=drain,
     )
 
 

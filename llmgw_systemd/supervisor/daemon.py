@@ -27,6 +27,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llmgw_systemd.errors import BusError, LlmgwError, PeerError, SpecError, StateError
+from llmgw_systemd.health.drain import STARTED as DRAIN_STARTED
+from llmgw_systemd.health.drain import DrainRequest
+from llmgw_systemd.health.drain import events as drain_events
 from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, ProbeEvidence
 from llmgw_systemd.health.judge import STALL, Memory, ReplicaPolicy, Verdict, judge, refused
 from llmgw_systemd.health.progress import BUSY, ProgressReading, keep
@@ -38,6 +41,7 @@ from llmgw_systemd.spec.endpoint import local_address
 from llmgw_systemd.spec.files import read_each, spec_files
 from llmgw_systemd.spec.model import Spec
 from llmgw_systemd.spec.replicas import collect_spec, keep_last_good
+from llmgw_systemd.supervisor import drain_requests
 from llmgw_systemd.supervisor.engine_metrics import read_progress
 from llmgw_systemd.supervisor.http import api
 from llmgw_systemd.supervisor.http.metrics import Figures, ReplicaFigures, SupervisorMetrics
@@ -92,9 +96,9 @@ def is_loopback(host: str) -> bool:
 
 HEALTH, GENERATION, PROGRESS = "health", "generation", "progress"
 KINDS = (HEALTH, GENERATION, PROGRESS)
-# One replica's published part: (its shard report, its /v1/replicas body, its state,
-# its figures for the metrics)
-View = tuple[dict[str, Any], bytes, str, ReplicaFigures]
+# One replica's published part: (its shard report, its /v1/replicas body, what its
+# /ready says, its figures for the metrics)
+View = tuple[dict[str, Any], bytes, api.Readiness, ReplicaFigures]
 
 
 def engine_started(evidence: LocalEvidence | None) -> int | None:
@@ -106,11 +110,11 @@ def engine_started(evidence: LocalEvidence | None) -> int | None:
 
 
 def _reads_progress(shard: LocalShard) -> bool:
-    """Whether the supervisor reads this shard's progress: its serving rank, an engine
-    that says where (Http.progress), and stall detection on."""
+    """Whether the supervisor reads this shard's progress: its serving rank, of an engine
+    that says where (Http.progress). Stall detection uses it (when on), and a drain
+    (health/drain.py) its count of requests in flight."""
     http = shard.replica.http
-    return (shard.serving and http is not None and http.progress is not None
-            and shard.replica.health.stall_after > 0)
+    return shard.serving and http is not None and http.progress is not None
 
 
 class Prober:
@@ -143,7 +147,9 @@ class Prober:
                                if isinstance(page, str) else
                                ProgressReading(started, None, None, page.detail))
                     sup.add_reading(replica.name, replace(reading, generation=generation))
-                    self.poke.wait(interval)
+                    # a drain waits on the count of requests in flight: read it often
+                    self.poke.wait(DRAIN_READ_INTERVAL if sup.draining(replica.name)
+                                   else interval)
                     self.poke.clear()
                     continue
                 if self.kind == GENERATION and check is not None:
@@ -162,6 +168,8 @@ class Prober:
 
 
 MAX_FETCH_RATE = 20.0  # per peer node, per second
+DRAIN_READ_INTERVAL = 0.5  # seconds between reads of the engine's metrics while draining
+REQUESTS_CHECK = 1.0  # seconds between looks at the drain requests' folder
 FIRST_LOOKS = 4  # first looks from signals alone before the confirming read
 COALESCE = 0.002  # seconds to wait for the rest of a burst of signals
 
@@ -250,6 +258,8 @@ class Supervisor:
             lambda: self.figures,
             lambda: {name: server.stats for name, server in self.servers.items()})
         self.limited_log = RateLimitedLog(log)
+        self.requests: tuple[DrainRequest, ...] = ()  # operators' drains on this node
+        self.requests_stamp = -1.0
 
     # -- configuration ------------------------------------------------------------------
 
@@ -329,6 +339,9 @@ class Supervisor:
             rejoin_after=(replica.stop_timeout + settle
                           if replica.engine.follows_leader(len(replica.nodes)) else None),
             restart_hold=replica.stop_timeout + settle,
+            drain_delay=replica.drain.delay, drain_timeout=replica.drain.timeout,
+            target=shard.plan.target.name,
+            serving_rank=replica.http.rank if replica.http is not None else None,
             group_restart=replica.group_restart, require_auth=config.tls is not None,
             follows_leader=replica.engine.follows_leader(len(replica.nodes)),
             completion_fresh=(check.generation.interval + 2 * check.generation.timeout + 1.0
@@ -394,6 +407,27 @@ class Supervisor:
             self.probe_woke.add(replica)
         self.wake.set()
 
+    def draining(self, replica: str) -> bool:
+        verdict = self.verdicts.get(replica)
+        return verdict is not None and verdict.drain is not None
+
+    def load_requests(self) -> bool:
+        """Read the operators' drain requests again if their folder changed; whether it
+        did."""
+        stamp = drain_requests.stamp(self.config.state_dir)
+        if stamp == self.requests_stamp:
+            return False
+        self.requests_stamp = stamp
+        requests, warnings = drain_requests.load(self.config.state_dir)
+        for warning in warnings:
+            self.limited_log(f"drain-request:{warning}", warning)
+        if requests != self.requests:
+            log("drain requests: " + ("; ".join(
+                f"{r.replica or 'every replica on this node'} by {r.by} since {r.since}"
+                for r in requests) or "none"))
+        self.requests = requests
+        return True
+
     def add_reading(self, replica: str, reading: ProgressReading) -> None:
         """One metrics reading of a serving rank: kept with the readings of the same
         generation, as far back as a verdict needs (progress.keep)."""
@@ -423,16 +457,23 @@ class Supervisor:
         if warning:
             log(warning)
         self.load_spec()
+        self.load_requests()
         self._start_http()
         threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
         self.reconcile()
         notify("READY=1")
+        due = time.monotonic() + self.config.reconcile_interval
         while not self.stopping.is_set():
             self.heartbeat = time.monotonic()
-            self.wake.wait(self.config.reconcile_interval)
-            self.wake.clear()
+            # a drain request is a file: looked for every second, acted on at once
+            woke = self.wake.wait(max(0.0, min(REQUESTS_CHECK, due - time.monotonic())))
             if self.stopping.is_set():
                 break
+            asked = self.load_requests()
+            if not woke and not asked and time.monotonic() < due:
+                continue
+            self.wake.clear()
+            due = time.monotonic() + self.config.reconcile_interval
             self.load_spec()
             self.reconcile()
 
@@ -553,12 +594,15 @@ class Supervisor:
             if only is not None and name not in only:
                 continue
             policy = self.policies[name]
+            before = self.verdicts.get(name)
             verdict = judge(policy, self.memory.get(name, Memory()), local=local.get(name),
                             systemd_error=self.bus_error, probe=probes.get(name),
                             completion=completions.get(name),
-                            progress=readings.get(name, ()), peers=peers, now=now)
+                            progress=readings.get(name, ()), peers=peers, now=now,
+                            requests=self.requests)
             self.memory[name] = verdict.memory
             self.verdicts[name] = verdict
+            self._count_drain(policy, before, verdict, now)
             for note in verdict.notes:
                 log(note)
             for restart in verdict.actions:  # RestartShard is the only action
@@ -571,6 +615,22 @@ class Supervisor:
                     log(f"{name}: restart of {target} failed: {exc}")
         self._save_restarts()
         self._publish(local, now, only)
+
+    def _count_drain(self, policy: ReplicaPolicy, before: Verdict | None, verdict: Verdict,
+                     now: float) -> None:
+        """A drain's start and end, logged, and counted on the node that counts the
+        requests in flight (the serving rank's; rank 0's when none serves)."""
+        changes = drain_events(before.drain if before is not None else None, verdict.drain,
+                               verdict.memory.drain, now)
+        counts_here = policy.serving or (policy.serving_rank is None and policy.rank == 0)
+        for event in changes:
+            if event.kind == DRAIN_STARTED:
+                log(f"{policy.name}: draining: {verdict.health.reason}")
+            else:
+                log(f"{policy.name}: drained after {event.seconds:.1f} s: "
+                    f"{verdict.drain.reason if verdict.drain else ''}")
+            if counts_here:
+                self.metrics.count_drain(policy.name, event)
 
     # -- publishing ----------------------------------------------------------------------
 
@@ -586,6 +646,9 @@ class Supervisor:
             "node": shard.plan.node, "serving": shard.serving, "state": mine.state,
             "reason": mine.reason, "generation": evidence.generation if evidence else "",
             "started": engine_started(evidence),
+            # a drain (health/drain.py): why this node drains the replica, and (the
+            # serving rank's node) whether nothing is in flight any more
+            "draining": mine.draining, "drained": mine.drained,
             "units": {u.name: {"active": u.active_state, "sub": u.sub_state,
                                "result": u.result, "restarts": u.n_restarts}
                       for u in units},
@@ -598,6 +661,16 @@ class Supervisor:
                        "reason": r.reason} for r in verdict.ranks],
             "group_restarts": recent, "next_restart": verdict.next_restart,
             "settled": verdict.settled,
+            # whether a gateway should send it new requests (GET .../ready says the same)
+            "routable": verdict.routable,
+            "drain": (None if verdict.drain is None or verdict.memory.drain is None else {
+                "phase": verdict.drain.phase, "reason": verdict.drain.reason,
+                "for": round(now - verdict.memory.drain.since, 3),
+                "causes": list(verdict.memory.drain.causes),
+                "in_flight": verdict.drain.in_flight,
+                "cut_short": verdict.drain.cut_short}),
+            # this node's shard: a planned stop of its target, or our group restart
+            "stopping": verdict.stopping,
             # this node's serving rank, from its engine's progress (docs/supervisor.md)
             "busy": verdict.liveness is not None and verdict.liveness.verdict == BUSY,
             "progress": ({"verdict": verdict.liveness.verdict,
@@ -607,8 +680,14 @@ class Supervisor:
         })
         figures = ReplicaFigures(name, verdict.health.state, recent, shard.plan.rank,
                                  mine.state, tuple((u.name, u.n_restarts) for u in units
-                                                   if u.name.endswith(".service")))
-        return report, body, verdict.health.state, figures
+                                                   if u.name.endswith(".service")),
+                                 routable=verdict.routable)
+        busy = " (busy)" if verdict.liveness is not None and verdict.liveness.verdict == BUSY \
+            else ""
+        readiness = api.Readiness(verdict.routable, (
+            f"ready{busy}: {verdict.health.reason}" if verdict.routable
+            else f"{verdict.health.state}: {verdict.health.reason}"))
+        return report, body, readiness, figures
 
     def _publish(self, local: dict[str, LocalEvidence], now: float,
                  only: set[str] | None = None) -> None:
@@ -627,10 +706,11 @@ class Supervisor:
         version = old.version if fresh == old.shards else self.changes.version + 1
         bodies = {name: body for name, (_, body, _, _) in views}
         self.published = api.Published(self.config.node, version, fresh,
-                                       b"[" + b",\n".join(bodies.values()) + b"]", bodies)
+                                       b"[" + b",\n".join(bodies.values()) + b"]", bodies,
+                                       {name: ready for name, (_, _, ready, _) in views})
         if version != old.version:
             self.changes.bump()
-        ready = sum(1 for _, (_, _, state, _) in views if state == READY)
+        ready = sum(1 for _, (_, _, _, figures) in views if figures.state == READY)
         status = (f"STATUS={len(views)} replica(s), {ready} ready"
                   + (f"; systemd unreachable: {self.bus_error}" if self.bus_error else ""))
         if status != self.status:

@@ -36,7 +36,7 @@ import h11
 
 from llmgw_systemd.errors import PeerError, one_line
 from llmgw_systemd.health.evidence import PeerShard
-from llmgw_systemd.health.rules import STATES
+from llmgw_systemd.health.rules import RANK_STATES
 from llmgw_systemd.spec.document import KeyPath, format_path
 from llmgw_systemd.spec.names import is_node_name, is_replica_name
 from llmgw_systemd.spec.reader import Reader
@@ -321,6 +321,7 @@ _VERSION_MAX = 2**63 - 1
 _RANK_MAX = 2**31 - 1
 _ANSWER_KEYS = ("node", "version", "shards")
 _SHARD_KEYS = ("replica", "rank", "node", "state", "reason", "generation", "serving")
+_OPTIONAL_SHARD_KEYS = ("started", "draining", "drained")
 _CLOCK_MAX = 2**53  # seconds; JSON numbers beyond are not exact
 
 
@@ -338,7 +339,8 @@ def _parse_answer(wire: Reader, document: Any) -> tuple[str, int, tuple[ShardRep
 
 
 def _shard(wire: Reader, value: Any, path: KeyPath, clock: int | None) -> ShardReport:
-    shard = wire.mapping(value, path, (*_SHARD_KEYS, "started"), _SHARD_KEYS, others=True)
+    shard = wire.mapping(value, path, (*_SHARD_KEYS, *_OPTIONAL_SHARD_KEYS), _SHARD_KEYS,
+                         others=True)
 
     def at(key: str) -> KeyPath:
         return (*path, key)
@@ -348,7 +350,7 @@ def _shard(wire: Reader, value: Any, path: KeyPath, clock: int | None) -> ShardR
                                "a replica name"),
         rank=wire.integer(shard["rank"], at("rank"), 0, _RANK_MAX, "a rank"),
         node=_node_name(wire, shard["node"], at("node")),
-        state=wire.choice(shard["state"], at("state"), STATES),
+        state=wire.choice(shard["state"], at("state"), RANK_STATES),
         reason=wire.string(shard["reason"], at("reason"), "a reason", empty=True,
                             max_len=MAX_REASON),
         generation=wire.matching(shard["generation"], at("generation"), _is_generation,
@@ -356,6 +358,12 @@ def _shard(wire: Reader, value: Any, path: KeyPath, clock: int | None) -> ShardR
                                   f"{MAX_GENERATION} characters)", empty=True),
         serving=wire.boolean(shard["serving"], at("serving"), "whether it serves HTTP"),
         up_for=_up_for(wire, shard.get("started"), clock, at("started")),
+        # a drain (health/drain.py); absent from a peer of an earlier version
+        draining=None if shard.get("draining") is None else wire.string(
+            shard["draining"], at("draining"), "why that node drains the replica",
+            max_len=MAX_REASON),
+        drained=shard.get("drained") is not None and wire.boolean(
+            shard["drained"], at("drained"), "whether the serving rank is drained"),
     )
 
 

@@ -142,10 +142,10 @@ class SystemdBus:
             dirty = set(self._dirty)
             if refresh:
                 self._cache.clear()
-        for name, _desc, load, active, sub, _following, path, *_job in rows:
+        for name, _desc, load, active, sub, _following, path, _job_id, job_type, _job in rows:
             self._names_by_path[path] = name
             if load != "loaded":
-                states[name] = UnitState(name, load, active, sub)
+                states[name] = UnitState(name, load, active, sub, job_type=job_type)
                 continue
             cached = self._cache.get(name)
             if cached is not None and (not properties or (
@@ -165,6 +165,7 @@ class SystemdBus:
                 active_enter_usec=int(unit.get("ActiveEnterTimestampMonotonic", 0)),
                 state_change_usec=int(unit.get("StateChangeTimestampMonotonic", 0)),
                 invocation_id=bytes(unit.get("InvocationID") or b"").hex(),
+                job_type=job_type,
             )
         if properties:
             with self._lock:

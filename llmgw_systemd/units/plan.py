@@ -30,10 +30,10 @@ from llmgw_systemd.spec.common_keys import (
     ROOT_USERS,
     SERVICE_ACCOUNT,
 )
-from llmgw_systemd.spec.endpoint import Endpoint, local_address
+from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL, Endpoint, local_address
 from llmgw_systemd.spec.engines.base import KillMode, Step
 from llmgw_systemd.spec.model import Replica, Spec
-from llmgw_systemd.spec.policies import RestartPolicy
+from llmgw_systemd.spec.policies import STOP_MARGIN, RestartPolicy
 
 UNIT_PREFIX = "llmgw-"
 UNIT_DIR_PREFIX = "llmgw"  # StateDirectory=llmgw/R: /var/lib/llmgw/R, /var/cache/llmgw/R
@@ -42,8 +42,8 @@ SLEEP = "/usr/bin/sleep"  # coreutils, at this path on Debian and RHEL alike
 # kills it: TimeoutStartSec= is re-armed for each ExecStartPre=, so each wait carries
 # its own deadline and systemd's timeout is only a backstop.
 START_TIMEOUT_MARGIN = 30
-STOP_MARGIN = 5  # seconds of TimeoutStopSec= left after llmgw-stop-group's grace
 UNSERVED_GRACE = 5  # seconds of SIGTERM for a serving rank that does not answer /health
+SUPERVISOR_UNIT = "llmgw-supervisor.service"  # packaging/systemd
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,7 @@ class TargetUnit:
     description: str
     wants: tuple[str, ...]
     wanted_by: str
+    after: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,9 +209,9 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             timeout_start_sec=max(waits) + START_TIMEOUT_MARGIN if waits else None,
             timeout_stop_sec=replica.stop_timeout,
             kill_mode=step.kill_mode,
-            success_exit_status=(*step.clean_exit_statuses, *step.clean_exit_signals),
-            exec_stop=_exec_stop(manager, step, replica.stop_timeout,
-                                 health_url(replica) if is_engine and serves else None),
+            success_exit_status=(*step.clean_exit_statuses, *_clean_signals(step, is_engine)),
+            exec_stop=_exec_stop(manager, step, replica, is_engine=is_engine,
+                                 serves=is_engine and serves),
             notify_status=bool(pre),
             sandbox=sandbox,
             state_directory=directory,
@@ -234,6 +235,7 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             description=f"llmgw replica {replica.name}: {place} ({role}{serving})",
             wants=tuple(names),
             wanted_by="default.target" if manager.user else "multi-user.target",
+            after=() if manager.user else (SUPERVISOR_UNIT,),
         ),
         services=tuple(services),
         restart=RestartUnit(
@@ -282,18 +284,34 @@ def device_allow(devices: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _exec_stop(manager: Manager, step: Step, stop_timeout: int, health: str | None
-               ) -> tuple[str, ...] | None:
-    if not step.stop_with_grace:
+def _exec_stop(manager: Manager, step: Step, replica: Replica, *, is_engine: bool,
+               serves: bool) -> tuple[str, ...] | None:
+    """llmgw-stop-group for every engine (its drain step first: a planned stop takes
+    the replica out of rotation before any signal, docs/supervisor.md "Drain") and for
+    every step that must be SIGKILLed inside its stop (vLLM, a Ray worker)."""
+    if not step.stop_with_grace and not is_engine:
         return None
-    grace = stop_grace(stop_timeout)
+    grace = stop_grace(replica.stop_timeout)
     # KillMode=mixed means "the main process first": llmgw-stop-group keeps that order
     main_first = ("--main-first",) if step.kill_mode == "mixed" else ()
     # the serving rank drains only what it serves: one that does not answer its health
     # check at the stop (still starting, blocked at its rendezvous) stops quickly
+    health = health_url(replica) if serves else None
     quick = (() if health is None or grace <= UNSERVED_GRACE
              else ("--health", health, "--unserved-grace", str(UNSERVED_GRACE)))
-    return (manager.stop_group, "--grace", str(grace), *main_first, *quick)
+    drain = (("--drain", replica.name, "--supervisor", str(SUPERVISOR_LOCAL),
+              "--drain-delay", str(replica.drain.delay),
+              "--drain-timeout", str(replica.drain.timeout), *(("--serving",) if serves else ()))
+             if is_engine else ())
+    return (manager.stop_group, "--grace", str(grace), *main_first, *quick, *drain)
+
+
+def _clean_signals(step: Step, is_engine: bool) -> tuple[str, ...]:
+    """The engine stops through llmgw-stop-group, which SIGKILLs what outlives its grace
+    inside the stop: a clean end of a stop, not a failure."""
+    if is_engine and "SIGKILL" not in step.clean_exit_signals:
+        return (*step.clean_exit_signals, "SIGKILL")
+    return step.clean_exit_signals
 
 
 def health_url(replica: Replica) -> str | None:

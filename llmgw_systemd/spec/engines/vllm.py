@@ -25,12 +25,12 @@ from llmgw_systemd.spec.engines.base import (
     ProgressSeries,
     Step,
     arguments,
-    flag_value,
     uses_rendezvous,
     wildcard,
 )
 from llmgw_systemd.spec.engines.server import Server, read_server, server_keys
 from llmgw_systemd.spec.keys import Key, absolute_path, choice, integer, seconds
+from llmgw_systemd.spec.policies import DRAIN
 from llmgw_systemd.spec.reader import Reader
 
 if TYPE_CHECKING:  # types only: a Protocol costs import time on the render path
@@ -65,8 +65,9 @@ RENDEZVOUS_PORT: dict[LaunchMode, int] = {"ray": 6379, "mp": 29500}
 RayAuth = Literal["disabled", "token"]
 RAY_AUTH_MODES: tuple[RayAuth, ...] = ("disabled", "token")
 DEFAULT_RAY_TOKEN_FILE = "/etc/llmgw/ray-token"  # noqa: S105 - a path, not a secret
-# vLLM's --shutdown-timeout (drain in-flight requests) must end before systemd's SIGKILL.
-SHUTDOWN_MARGIN = 10
+# vLLM's own drain on SIGTERM (0: abort what is in flight; vllm#36666): set on the
+# serving rank from drain.timeout, so the spec's args may not set it.
+SHUTDOWN_FLAG = "--shutdown-timeout"
 
 # ray start --block exits 1 when systemd stops it with SIGTERM (docs/engines.md);
 # counting 1 as clean keeps a plain `systemctl stop` from leaving the unit failed.
@@ -161,6 +162,7 @@ class Vllm:
     server: Server
     launch: Launch
     distributed_timeout: int | None  # --distributed-timeout-seconds; None: vLLM's own
+    shutdown_timeout: int  # --shutdown-timeout of the serving rank: drain.timeout
 
     @property
     def name(self) -> str:
@@ -184,11 +186,7 @@ class Vllm:
         return n_nodes > 1
 
     def least_stop_timeout(self) -> tuple[int, str] | None:
-        drain = flag_value(self.server.args, "--shutdown-timeout")
-        if drain is None or not drain.isdigit():
-            return None
-        return (int(drain) + SHUTDOWN_MARGIN, f"vLLM's --shutdown-timeout ({drain} s) + "
-                f"{SHUTDOWN_MARGIN} s, or systemd kills the engine while it drains")
+        return None  # its drain is drain.timeout, which the common check covers
 
 
 SERVER_KEYS = server_keys(
@@ -258,7 +256,13 @@ def read(reader: Reader, data: Mapping[str, Any], path: KeyPath, nodes: tuple[No
         launch = MpLaunch()
     else:
         unreachable(mode)
-    return Vllm(server, launch, DISTRIBUTED_TIMEOUT.read(reader, data, path))
+    for i, arg in enumerate(server.args):
+        if arg.split("=", 1)[0] == SHUTDOWN_FLAG:
+            raise reader.fail((*path, "args", i), f"'{SHUTDOWN_FLAG}' is set by llmgw-render "
+                              "from drain.timeout (the serving rank's drain on a planned "
+                              "stop); set drain: {timeout: N} instead")
+    return Vllm(server, launch, DISTRIBUTED_TIMEOUT.read(reader, data, path),
+                DRAIN.read(reader, data, path).timeout)
 
 
 def _read_ray(reader: Reader, data: Mapping[str, Any], path: KeyPath) -> RayLaunch:
@@ -308,6 +312,12 @@ def _distributed_args(vllm: Vllm) -> tuple[str, ...]:
     return ("--distributed-timeout-seconds", str(vllm.distributed_timeout))
 
 
+def _drain_args(vllm: Vllm) -> tuple[str, ...]:
+    """The serving rank's own drain on SIGTERM: the requests in flight may finish for up
+    to drain.timeout seconds (vLLM's default, 0, aborts them)."""
+    return (SHUTDOWN_FLAG, str(vllm.shutdown_timeout))
+
+
 def _ray_auth(ray: RayLaunch) -> tuple[tuple[tuple[str, str], ...],
                                       tuple[tuple[str, str, str], ...]]:
     """Ray's auth settings for every process that talks to the cluster: stated always,
@@ -348,7 +358,7 @@ def _ray_steps(vllm: Vllm, ray: RayLaunch, replica: str, nodes: Sequence[Node], 
         name="engine", role="vLLM server on the Ray cluster",
         argv=(server.bin("vllm"), "serve", server.model, *server.http_args(),
               *_parallel_args(vllm), "--distributed-executor-backend", "ray",
-              *_distributed_args(vllm), *server.args),
+              *_distributed_args(vllm), *_drain_args(vllm), *server.args),
         wait_for=(head,), env=(*ray_env, ("RAY_ADDRESS", str(head))),
         clean_exit_statuses=VLLM_CLEAN_EXIT, credential_env=token,
         clean_exit_signals=VLLM_CLEAN_SIGNALS, stop_with_grace=True,
@@ -363,7 +373,7 @@ def _mp_step(vllm: Vllm, nodes: Sequence[Node], rank: int) -> Step:
     if rank == 0:
         argv += server.http_args()
     argv += (*_parallel_args(vllm), "--distributed-executor-backend", "mp",
-             *_distributed_args(vllm))
+             *_distributed_args(vllm), *(_drain_args(vllm) if rank == 0 else ()))
     frees: tuple[Endpoint, ...] = ()
     role = "vLLM server"
     n = len(nodes)

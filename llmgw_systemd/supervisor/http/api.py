@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from llmgw_systemd.spec.names import is_replica_name
 from llmgw_systemd.supervisor.http.server import Changes, Request, Response
@@ -21,6 +21,16 @@ API_VERSION = "v1"
 DEFAULT_WAIT = 0.0
 MAX_WAIT = 30.0
 ALLOW = (("Allow", "GET, HEAD"),)
+READY_PATH = "ready"
+TEXT = "text/plain; charset=utf-8"
+
+
+class Readiness(NamedTuple):
+    """What `GET /v1/replicas/NAME/ready` answers: whether a gateway should send the
+    replica new requests, and one line saying why."""
+
+    routable: bool
+    line: str
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,7 @@ class Published:
     shards: tuple[dict[str, Any], ...] = ()
     replicas: bytes = b"[]"
     replica: Mapping[str, bytes] = field(default_factory=dict)
+    ready: Mapping[str, Readiness] = field(default_factory=dict)
 
 
 def encode(data: object) -> bytes:
@@ -45,6 +56,16 @@ def shards_body(published: Published, clock: int | None = None) -> bytes:
     return encode({"node": published.node, "version": published.version,
                    "clock": int(time.monotonic()) if clock is None else clock,
                    "shards": list(published.shards)})
+
+
+def _ready(published: Published, name: str) -> Response:
+    """For load balancers (HAProxy's httpchk, Envoy, nginx, keepalived, cloud health
+    checks): 200 while a gateway should send the replica new requests, 503 otherwise
+    (starting, degraded, draining, drained, stopped, failed), one line saying why."""
+    found = published.ready.get(name)
+    if found is None:
+        return Response(404, f"no replica '{name}' on this node\n".encode(), TEXT)
+    return Response(200 if found.routable else 503, f"{found.line}\n".encode(), TEXT)
 
 
 def _error(status: int, message: str) -> Response:
@@ -94,9 +115,12 @@ async def handle(request: Request, current: Callable[[], Published], changes: Ch
         return Response(200, current().replicas)
     prefix = f"/{API_VERSION}/replicas/"
     if path.startswith(prefix):
-        name = path[len(prefix):]
-        if not is_replica_name(name):
-            return _error(404, "not a replica name")
+        name, _, sub = path[len(prefix):].partition("/")
+        if not is_replica_name(name) or sub not in ("", READY_PATH):
+            return _error(404, "not a replica name" if not is_replica_name(name)
+                          else f"no such route (try {prefix}{name}/{READY_PATH})")
+        if sub == READY_PATH:
+            return _ready(current(), name)
         found = current().replica.get(name)
         if found is None:
             return _error(404, f"no replica '{name}' on this node")

@@ -23,10 +23,13 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from llmgw_systemd.health.drain import STARTED, DrainEvent
 from llmgw_systemd.health.rules import STATES, State
 
 # prometheus_client's default buckets (seconds), the usual ones for request latency
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+# drains last seconds to minutes: the delay, then the requests in flight
+DRAIN_BUCKETS = (1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class ReplicaFigures:
     rank: int
     shard_state: State
     unit_restarts: tuple[tuple[str, int], ...]  # (unit, systemd's NRestarts)
+    routable: bool = False  # a gateway should send it new requests
 
 
 @dataclass(frozen=True)
@@ -53,14 +57,17 @@ class Figures:
 class Latencies:
     """Observations of one kind per replica, as a histogram's buckets (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, buckets: tuple[float, ...] = BUCKETS) -> None:
+        self.buckets = buckets
         self._lock = threading.Lock()
         self._by_replica: dict[str, tuple[list[int], float]] = {}
 
     def observe(self, replica: str, seconds: float) -> None:
         with self._lock:
-            counts, total = self._by_replica.get(replica, ([0] * (len(BUCKETS) + 1), 0.0))
-            index = next((i for i, le in enumerate(BUCKETS) if seconds <= le), len(BUCKETS))
+            counts, total = self._by_replica.get(replica,
+                                                 ([0] * (len(self.buckets) + 1), 0.0))
+            index = next((i for i, le in enumerate(self.buckets) if seconds <= le),
+                         len(self.buckets))
             counts[index] += 1
             self._by_replica[replica] = (counts, total + seconds)
 
@@ -73,7 +80,7 @@ class Latencies:
                 del self._by_replica[gone]
             for replica, (counts, total) in sorted(self._by_replica.items()):
                 cumulative, buckets = 0, []
-                for le, count in zip((*map(str, BUCKETS), "+Inf"), counts):
+                for le, count in zip((*map(str, self.buckets), "+Inf"), counts):
                     cumulative += count
                     buckets.append((le, float(cumulative)))
                 family.add_metric([replica], buckets, total)
@@ -118,6 +125,9 @@ class SupervisorMetrics(Collector):
         self.ignored_reports = Counts()  # (replica,)
         self.stall_restarts = Counts()  # (replica,)
         self.dbus_reads = Counts()  # ()
+        self.drains = Counts()  # (replica, event: started, finished, cut-short)
+        self.drain_seconds = Latencies(DRAIN_BUCKETS)
+        self.cut_short_in_flight = Counts()  # (replica,): one per request left in flight
         self.registry = CollectorRegistry()
         self.registry.register(self)
         self.content_type = CONTENT_TYPE_LATEST
@@ -133,6 +143,9 @@ class SupervisorMetrics(Collector):
                                   labels=["replica", "unit"])
         group = GaugeMetricFamily("llmgw_group_restarts", "group restarts of this node's "
                                   "shard within the budget window", labels=["replica"])
+        routable = GaugeMetricFamily("llmgw_replica_routable", "1 while a gateway should send "
+                                     "the replica new requests (GET /v1/replicas/NAME/ready "
+                                     "answers 200)", labels=["replica"])
         for r in figures.replicas:
             for s in STATES:
                 state.add_metric([r.name, s], 1.0 if r.state == s else 0.0)
@@ -140,7 +153,19 @@ class SupervisorMetrics(Collector):
             for unit, restarts in r.unit_restarts:
                 units.add_metric([r.name, unit], restarts)
             group.add_metric([r.name], r.group_restarts)
-        yield from (state, shard, units, group)
+            routable.add_metric([r.name], 1.0 if r.routable else 0.0)
+        yield from (state, shard, units, group, routable)
+        yield self.drains.family(
+            "llmgw_drains", "drains of the replica by event: started (a planned stop or an "
+            "operator's drain took it out of rotation), finished (nothing left in flight), "
+            "cut-short (drain.timeout ran out first); counted by the serving rank's node",
+            ["replica", "event"], keep=lambda k: k[0] in set(replicas))
+        yield self.drain_seconds.family("llmgw_drain_seconds", "how long drains took, from "
+                                        "out of rotation to drained", replicas)
+        yield self.cut_short_in_flight.family(
+            "llmgw_drain_cut_short_requests", "requests still in flight when a drain was cut "
+            "short by drain.timeout (as the engine counted them)", ["replica"],
+            keep=lambda k: k[0] in set(replicas))
         yield self.probe_seconds.family("llmgw_probe_seconds", "HTTP health probe latency",
                                         replicas)
         yield self.completion_seconds.family(
@@ -175,6 +200,14 @@ class SupervisorMetrics(Collector):
                     events.add_metric([listener, event], value)
         yield connections
         yield events
+
+    def count_drain(self, replica: str, event: DrainEvent) -> None:
+        self.drains.inc(replica, event.kind)
+        if event.kind == STARTED:
+            return
+        self.drain_seconds.observe(replica, event.seconds)
+        for _ in range(int(event.in_flight or 0)):
+            self.cut_short_in_flight.inc(replica)
 
     def render(self) -> tuple[bytes, str]:
         return bytes(generate_latest(self.registry)), self.content_type
