@@ -109,7 +109,8 @@ def test_stop_timeout_reaches_every_member() -> None:
 def drain(*, serving: bool, delay: int = 5, timeout: int = 20) -> tuple[str, ...]:
     """The drain step's arguments (every engine's stop begins with it)."""
     return ("--drain", "r", "--supervisor", "127.0.0.1:9470", "--drain-delay", str(delay),
-            "--drain-timeout", str(timeout), *(("--serving",) if serving else ()))
+            "--drain-timeout", str(timeout), "--target", "llmgw-r.target",
+            *(("--serving",) if serving else ()))
 
 
 @pytest.mark.parametrize(("body", "rank", "stopped_by_helper"), [

@@ -161,9 +161,11 @@ class StepDecision:
 
 
 def step(view: StopView | None, elapsed: float, delay: float, timeout: float, *,
-         serving: bool, main_alive: bool) -> StepDecision:
+         serving: bool, main_alive: bool, target_job: str | None = None) -> StepDecision:
     """Whether the drain step lets the stop go on now. view: the local supervisor's
-    answer (None: no supervisor answered); elapsed: seconds since the step began.
+    answer (None: no supervisor answered); elapsed: seconds since the step began;
+    target_job: the job on the replica's target as systemd itself said it (asked only
+    when no supervisor answers; None: not known).
 
     The serving rank goes once the delay is over: its engine drains on SIGTERM (vLLM's
     --shutdown-timeout). Any other rank goes once the serving rank is drained, or the
@@ -171,6 +173,9 @@ def step(view: StopView | None, elapsed: float, delay: float, timeout: float, *,
     if not main_alive:
         return StepDecision(True, "the main process is gone (a failure): no drain")
     if view is None:
+        if target_job is not None and target_job not in STOPPING_JOBS:
+            return StepDecision(True, "no stop or restart of the target (a member died, or "
+                                "was stopped alone): no drain")
         if elapsed >= delay:
             return StepDecision(True, f"no supervisor answered: out of rotation by the "
                                 f"{delay:g} s delay alone")

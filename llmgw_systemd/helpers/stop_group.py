@@ -225,17 +225,40 @@ def drain_first(args: argparse.Namespace) -> float:
     main_pid = os.environ.get("MAINPID", "")
     main_alive = main_pid.isdigit() and int(main_pid) > 1 and _exists(int(main_pid))
     said = ""
+    job: str | None = None
     while True:
         elapsed = time.monotonic() - started
         view = ask_supervisor(args.supervisor, args.drain) if main_alive else None
+        if view is None and main_alive and job is None and args.target is not None:
+            job = target_job(args.target, user=args.user)  # once: systemd's own word
         decision = step(view, time.monotonic() - started, args.drain_delay,
-                        args.drain_timeout, serving=args.serving, main_alive=main_alive)
+                        args.drain_timeout, serving=args.serving, main_alive=main_alive,
+                        target_job=job)
         if decision.reason != said:
             print(f"{PROG}: {args.drain}: {decision.reason}", flush=True)
             said = decision.reason
         if decision.go or elapsed > args.grace:
             return time.monotonic() - started
         time.sleep(ASK_EVERY)
+
+
+def target_job(target: str, *, user: bool) -> str | None:
+    """The type of the job systemd has queued on the target ("" for none), from
+    `systemctl list-jobs`; None when systemctl does not answer within a second."""
+    import subprocess  # only when no supervisor answers
+
+    argv = ["systemctl", *(["--user"] if user else []), "list-jobs", "--no-legend",
+            "--plain", "--no-pager", target]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=1.0, check=True,
+                             stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and fields[1] == target:
+            return fields[2]
+    return ""
 
 
 def _exists(pid: int) -> bool:
@@ -282,6 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds out of rotation before any signal (with --drain)")
     parser.add_argument("--drain-timeout", type=float, metavar="SECONDS",
                         help="seconds the requests in flight may take (with --drain)")
+    parser.add_argument("--target", metavar="UNIT",
+                        help="the replica's target: with no supervisor answering, a stop "
+                        "without a stop or restart job on it is a failure (with --drain)")
+    parser.add_argument("--user", action="store_true",
+                        help="the units run under a user manager (systemctl --user)")
     parser.add_argument("--serving", action="store_true",
                         help="this unit serves HTTP: it drains on SIGTERM itself, so it "
                         "waits only the delay (with --drain)")
@@ -300,9 +328,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.health is not None and not args.health.startswith("http://"):
         parser.error(f"--health: expected http://HOST:PORT/PATH; got '{args.health}'")
     drain_args = (args.supervisor, args.drain_delay, args.drain_timeout)
-    if args.drain is None and (any(a is not None for a in drain_args) or args.serving):
-        parser.error("--supervisor, --drain-delay, --drain-timeout and --serving go with "
-                     "--drain")
+    if args.drain is None and (any(a is not None for a in drain_args) or args.serving
+                               or args.target is not None):
+        parser.error("--supervisor, --drain-delay, --drain-timeout, --target and --serving "
+                     "go with --drain")
     if args.drain is not None and any(a is None for a in drain_args):
         parser.error("--drain needs --supervisor, --drain-delay and --drain-timeout")
     if args.supervisor is not None and not _is_address(args.supervisor):

@@ -301,7 +301,9 @@ def _exec_stop(manager: Manager, step: Step, replica: Replica, *, is_engine: boo
              else ("--health", health, "--unserved-grace", str(UNSERVED_GRACE)))
     drain = (("--drain", replica.name, "--supervisor", str(SUPERVISOR_LOCAL),
               "--drain-delay", str(replica.drain.delay),
-              "--drain-timeout", str(replica.drain.timeout), *(("--serving",) if serves else ()))
+              "--drain-timeout", str(replica.drain.timeout),
+              "--target", target_name(replica.name), *(("--user",) if manager.user else ()),
+              *(("--serving",) if serves else ()))
              if is_engine else ())
     return (manager.stop_group, "--grace", str(grace), *main_first, *quick, *drain)
 
