@@ -90,6 +90,9 @@ class Drain:
     since: float  # when this supervisor first saw it
     served: bool  # whether the replica was routable then: else nothing is in flight
     causes: tuple[str, ...]  # the origins, as the ranks' reports say them
+    # once drained, it stays so for as long as the drain lasts: the engine's count may
+    # become unreadable as its ranks stop, and a worker's stop went on already
+    finished: DrainProgress | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,8 @@ def progress(drain: Drain, now: float, delay: float, timeout: float, *,
     waiting, None when its metrics cannot be read) is its engine's count read at
     `pending_at`. Elsewhere `serving_drained` is what the serving rank's own node
     reported (None: no rank serves HTTP, or no report)."""
+    if drain.finished is not None:
+        return drain.finished
     waited = now - drain.since
     if not drain.served:
         return DrainProgress(DRAINED, "was not in rotation: nothing in flight", in_flight=0)

@@ -120,7 +120,9 @@ class Memory:
     # that generation is gone, the restart is under way and no other is asked for
     restart_pending: tuple[str, float] | None = None
     drain: Drain | None = None  # a drain in progress (drain.py)
-    routable: bool = False  # what the last judgement said: a drain starting now was served
+    # what the last judgement said (a drain starting now was served); None before the
+    # first: a supervisor restarted in the middle of a drain assumes it was
+    routable: bool | None = None
 
 
 DEATH, STALL = "death", "stall"
@@ -349,7 +351,8 @@ def _drain(policy: ReplicaPolicy, verdict: Verdict, now: float,
         return replace(verdict, ranks=ranks, routable=routable,
                        memory=replace(memory, drain=None, routable=routable))
     held = memory.drain
-    drain = Drain(now, memory.routable, causes) if held is None else replace(held, causes=causes)
+    drain = (Drain(now, memory.routable is not False, causes) if held is None
+             else replace(held, causes=causes))
     serving = next((r for r in verdict.ranks if r.rank != policy.rank
                     and policy.serving_rank == r.rank), None)
     generation = dict(verdict.generations).get(policy.rank, "")
@@ -359,6 +362,8 @@ def _drain(policy: ReplicaPolicy, verdict: Verdict, now: float,
                      pending=reading.pending if reading is not None else None,
                      pending_at=reading.taken_at if reading is not None else None,
                      serving_drained=None if serving is None else serving.drained)
+    if state.phase == DRAINED:
+        drain = replace(drain, finished=state)
     ranks = tuple(replace(r, drained=state.phase == DRAINED) if r.rank == policy.rank else r
                   for r in verdict.ranks)
     phase: State = DRAINED if state.phase == DRAINED else DRAINING

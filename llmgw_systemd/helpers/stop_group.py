@@ -344,9 +344,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # asked before any signal: once SIGTERMed, a serving rank stops answering
     serving = answers_health(args.health) if args.health is not None else None
     grace = max(0.0, chosen_grace(args.grace, args.unserved_grace, serving) - drained)
-    if grace < args.grace:
+    if serving is False:
         print(f"{PROG}: {args.health} does not answer: nothing to drain, SIGKILL after "
-              f"{grace:g} s", flush=True)
+              f"{grace:.1f} s", flush=True)
     if args.main_first:
         main_pid = os.environ.get("MAINPID", "")
         if not main_pid.isdigit() or int(main_pid) <= 1:

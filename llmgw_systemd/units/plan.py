@@ -209,7 +209,7 @@ def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             timeout_start_sec=max(waits) + START_TIMEOUT_MARGIN if waits else None,
             timeout_stop_sec=replica.stop_timeout,
             kill_mode=step.kill_mode,
-            success_exit_status=(*step.clean_exit_statuses, *_clean_signals(step, is_engine)),
+            success_exit_status=(*step.clean_exit_statuses, *step.clean_exit_signals),
             exec_stop=_exec_stop(manager, step, replica, is_engine=is_engine,
                                  serves=is_engine and serves),
             notify_status=bool(pre),
@@ -306,14 +306,6 @@ def _exec_stop(manager: Manager, step: Step, replica: Replica, *, is_engine: boo
               *(("--serving",) if serves else ()))
              if is_engine else ())
     return (manager.stop_group, "--grace", str(grace), *main_first, *quick, *drain)
-
-
-def _clean_signals(step: Step, is_engine: bool) -> tuple[str, ...]:
-    """The engine stops through llmgw-stop-group, which SIGKILLs what outlives its grace
-    inside the stop: a clean end of a stop, not a failure."""
-    if is_engine and "SIGKILL" not in step.clean_exit_signals:
-        return (*step.clean_exit_signals, "SIGKILL")
-    return step.clean_exit_signals
 
 
 def health_url(replica: Replica) -> str | None:

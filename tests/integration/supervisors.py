@@ -17,6 +17,8 @@ from typing import Any
 from installed import BIN_DIR
 from systemd_harness import STANDINS, UserManager, wait_until
 
+from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL
+
 SUPERVISOR = str(BIN_DIR / "llmgw-supervisor")
 HOSTILE_PEER = STANDINS / "hostile_peer.py"
 
@@ -124,8 +126,13 @@ class SupervisorProcess(ApiReader):
         return f"{scheme}://{self.listen}"
 
     def argv(self) -> list[str]:
+        # in a node's namespace, the plain loopback listener the units' drain step asks
+        # (docs/supervisor.md, "Drain"), as a node with TLS has it
+        local = (["--local", str(SUPERVISOR_LOCAL)] if self.manager.netns is not None
+                 and "--local" not in self.extra and not self.listen.startswith("127.")
+                 else [])
         argv = [SUPERVISOR, "--user", "--node", self.node, "--listen", self.listen,
-                "--state-dir", str(self.state_dir), *self.extra, str(self.spec)]
+                "--state-dir", str(self.state_dir), *local, *self.extra, str(self.spec)]
         if self.manager.netns is not None:
             argv = ["nsenter", f"--net=/run/netns/{self.manager.netns.name}", *argv]
         return argv

@@ -50,6 +50,7 @@ replicas:
     rendezvous_port: {master}
     distributed_timeout: 60
     stop_timeout: 15
+    drain: {{delay: 2, timeout: 5}}
     env: {env_yaml()}
     args: {ENGINE_ARGS}
     restart: {{delay: 2, burst: 10, interval: 900}}

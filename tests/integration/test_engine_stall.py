@@ -84,6 +84,7 @@ replicas:
     port: {http}
     rendezvous_port: {master}
     stop_timeout: 15
+    drain: {{delay: 2, timeout: 5}}
 {ray}    args: {ARGS}
     restart: {{delay: 2, burst: 20, interval: 900}}
     health: {{interval: 1, timeout: 2, stability: 5, stall_after: {STALL_AFTER},
@@ -265,6 +266,7 @@ replicas:
     host: 127.0.0.1
     port: {http}
     stop_timeout: 15
+    drain: {{delay: 2, timeout: 5}}
     env: {env_yaml()}
     args: {ARGS}
     restart: {{delay: 2, burst: 20, interval: 900}}

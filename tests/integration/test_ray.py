@@ -164,6 +164,7 @@ replicas:
     virtualenv: {engine_prefix(tmp_path / "prefix")}
     rendezvous_port: {head_port}
     stop_timeout: 15
+    drain: {{delay: 2, timeout: 5}}
     ray_auth: disabled
     restart: {{delay: 1, burst: 5, interval: 120}}
     nodes:
