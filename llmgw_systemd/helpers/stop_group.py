@@ -125,7 +125,7 @@ def stop_group(groups: Sequence[Path], grace: float) -> bool:
     left = members(groups)
     if not left:
         return True
-    print(f"{PROG}: {len(left)} process(es) still running {grace:g} s after SIGTERM; "
+    print(f"{PROG}: {len(left)} process(es) still running {grace:.0f} s after SIGTERM; "
           "sending SIGKILL", flush=True)
     return not kill_group(groups)
 
@@ -150,7 +150,7 @@ def stop_main_first(groups: Sequence[Path], main_pid: int, grace: float) -> bool
         time.sleep(POLL)
     if not _running(main_pid, groups):
         return True
-    print(f"{PROG}: main process {main_pid} still running {grace:g} s after SIGTERM; "
+    print(f"{PROG}: main process {main_pid} still running {grace:.0f} s after SIGTERM; "
           "sending SIGKILL to the group", flush=True)
     kill_group(groups)
     return not _running(main_pid, groups)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 
 from llmgw_systemd.errors import StateError
 from llmgw_systemd.health.drain import DrainRequest
 from llmgw_systemd.spec.names import is_replica_name
+from llmgw_systemd.supervisor.state_file import sync_dir, write_atomically
 
 # The supervisor's state directory when neither --state-dir nor systemd's
 # $STATE_DIRECTORY says otherwise (StateDirectory=llmgw-supervisor in its unit).
@@ -99,28 +99,15 @@ def _printable(text: str) -> str:
 def save(state_dir: str, request: DrainRequest) -> str:
     """Write one request atomically (replacing one for the same replica or the node);
     its path."""
-    where = folder(state_dir)
-    path = os.path.join(where, file_name(request.replica))
     body = json.dumps({"replica": request.replica, "by": request.by, "since": request.since,
                        "reason": request.reason}, indent=1).encode()
+    name = file_name(request.replica)
     try:
-        os.makedirs(where, mode=0o755, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".drain.", dir=where)
-        try:
-            os.fchmod(fd, 0o644)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(body)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        _sync_dir(where)
+        return write_atomically(folder(state_dir), name, body, dir_mode=0o755,
+                                file_mode=0o644)
     except OSError as exc:
-        raise StateError(f"cannot write {path}: {exc.strerror or exc}") from None
-    return path
+        raise StateError(f"cannot write {os.path.join(folder(state_dir), name)}: "
+                         f"{exc.strerror or exc}") from None
 
 
 def remove(state_dir: str, replica: str | None) -> bool:
@@ -134,13 +121,5 @@ def remove(state_dir: str, replica: str | None) -> bool:
     except OSError as exc:
         raise StateError(f"cannot remove {path}: {exc.strerror or exc}") from None
     with contextlib.suppress(OSError):
-        _sync_dir(where)
+        sync_dir(where)
     return True
-
-
-def _sync_dir(where: str) -> None:
-    dir_fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

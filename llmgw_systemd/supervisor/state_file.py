@@ -55,26 +55,41 @@ def save_restarts(directory: str, restarts: Mapping[str, tuple[float, ...]]) -> 
         name: list(times[-MAX_TIMES:]) for name, times in sorted(restarts.items())}},
         indent=1).encode()
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".group-restarts.", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(body)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, state_path(directory))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomically(directory, FILE_NAME, body)
     except OSError as exc:
         raise StateError(f"cannot write {state_path(directory)}: {exc.strerror or exc}"
                          ) from None
+
+
+def write_atomically(directory: str, name: str, body: bytes, *, dir_mode: int = 0o700,
+                     file_mode: int = 0o600) -> str:
+    """Write directory/name so that a crash leaves the old file or the new one (a
+    temporary file, fsync, rename, fsync of the directory); its path. OSError on
+    failure, the temporary file removed."""
+    path = os.path.join(directory, name)
+    os.makedirs(directory, mode=dir_mode, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
+    try:
+        os.fchmod(fd, file_mode)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(body)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    sync_dir(directory)
+    return path
+
+
+def sync_dir(directory: str) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def check_writable(directory: str) -> None:

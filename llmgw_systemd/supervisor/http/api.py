@@ -115,8 +115,8 @@ async def handle(request: Request, current: Callable[[], Published], changes: Ch
         return Response(200, current().replicas)
     prefix = f"/{API_VERSION}/replicas/"
     if path.startswith(prefix):
-        name, _, sub = path[len(prefix):].partition("/")
-        if not is_replica_name(name) or sub not in ("", READY_PATH):
+        name, slash, sub = path[len(prefix):].partition("/")
+        if not is_replica_name(name) or (slash and sub != READY_PATH):
             return _error(404, "not a replica name" if not is_replica_name(name)
                           else f"no such route (try {prefix}{name}/{READY_PATH})")
         if sub == READY_PATH:
