@@ -319,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # This is the stop: when the main process exits while it runs, systemd SIGTERMs what
+    # is left of the unit, this helper too (seen on a booted node: the unit then ended
+    # failed, 'signal'). It finishes its work; TimeoutStopSec= stays the backstop.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for name in ("grace", "unserved_grace", "drain_delay", "drain_timeout"):
         value = getattr(args, name)
         if value is not None and not 0 <= value <= 86400:
