@@ -319,10 +319,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # This is the stop: when the main process exits while it runs, systemd SIGTERMs what
-    # is left of the unit, this helper too (seen on a booted node: the unit then ended
-    # failed, 'signal'). It finishes its work; TimeoutStopSec= stays the backstop.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for name in ("grace", "unserved_grace", "drain_delay", "drain_timeout"):
         value = getattr(args, name)
         if value is not None and not 0 <= value <= 86400:
@@ -344,6 +340,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not groups:
         print(f"{PROG}: cannot find this unit's control group", file=sys.stderr)
         sys.exit(1)
+    # This is the stop: when the main process exits while it runs, systemd SIGTERMs what
+    # is left of the unit, this helper too (seen on a booted node: the unit then ended
+    # failed, 'signal'). It finishes its work; TimeoutStopSec= stays the backstop.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     drained = drain_first(args) if args.drain is not None else 0.0
     # asked before any signal: once SIGTERMed, a serving rank stops answering
     serving = answers_health(args.health) if args.health is not None else None
