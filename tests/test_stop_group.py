@@ -185,3 +185,12 @@ def test_main_first_signals_the_main_process_alone_then_kills_the_group(
             time.sleep(0.05)
         for g in groups:
             g.rmdir()
+
+
+def test_members_never_include_pid_0(tmp_path: Path) -> None:
+    """A cgroup.procs of a hierarchy shared with a parent PID namespace lists what this
+    namespace cannot see as 0; kill(0) would signal the helper's own process group."""
+    group = tmp_path / "g"
+    group.mkdir()
+    (group / "cgroup.procs").write_text(f"0\n0\n{os.getpid()}\n4242\n")
+    assert stopgroup.members([group]) == {4242}

@@ -99,7 +99,11 @@ def members(groups: Sequence[Path]) -> set[int]:
             except OSError:
                 continue  # a child group went away meanwhile
     pids.discard(os.getpid())
-    return pids
+    # A hierarchy shared with a parent PID namespace (the unified one in a booted
+    # container) lists the processes this namespace cannot see as 0: kill(0) would
+    # signal our own process group, this helper included (seen: it SIGTERMed, then
+    # SIGKILLed itself, and the unit ended failed).
+    return {pid for pid in pids if pid > 0}
 
 
 def signal_all(pids: set[int], sig: int) -> None:
@@ -340,10 +344,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not groups:
         print(f"{PROG}: cannot find this unit's control group", file=sys.stderr)
         sys.exit(1)
-    # This is the stop: when the main process exits while it runs, systemd SIGTERMs what
-    # is left of the unit, this helper too (seen on a booted node: the unit then ended
-    # failed, 'signal'). It finishes its work; TimeoutStopSec= stays the backstop.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     drained = drain_first(args) if args.drain is not None else 0.0
     # asked before any signal: once SIGTERMed, a serving rank stops answering
     serving = answers_health(args.health) if args.health is not None else None
