@@ -583,7 +583,9 @@ def test_apply_against_pid1_restarts_the_changed_only_and_stops_the_removed(
     assert main_pid(a, "llmgw-keep-engine.service") == pids["keep"]
     changed = main_pid(a, "llmgw-change-engine.service")
     assert changed not in (0, pids["change"])
-    assert "100004" in a.run("cat", f"/proc/{changed}/cmdline").stdout
+    # MainPID is known from the fork; the exec may come a moment later ("(sleep)" until then)
+    wait_until(lambda: "100004" in a.run("cat", f"/proc/{changed}/cmdline").stdout, 10,
+               "the changed engine to exec its new command line", 0.1)
     assert a.run("test", "-d", f"/proc/{pids['gone']}", check=False).returncode != 0
     assert not (a.root / "etc/systemd/system/llmgw-gone-engine.service").exists()
     gone = a.show("llmgw-gone-engine.service", "LoadState", "ActiveState")
