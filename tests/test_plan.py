@@ -119,22 +119,24 @@ def drain(*, serving: bool, delay: int = 5, timeout: int = 20) -> tuple[str, ...
      {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "35", *drain(serving=False))}),
     # a worker's ray start (KillMode=mixed): the main process first, as mixed does; the
     # head keeps plain mixed (its stop races the leader's restart delay)
-    # the serving rank: a quick stop when it does not answer its health check
+    # the serving rank: its main process first (it drains, then stops its engine core);
+    # a quick stop when it does not answer its health check
     (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 0,
-     {"ray-head": None, "engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--health",
+     {"ray-head": None, "engine": ("/usr/bin/llmgw-stop-group", "--grace", "25",
+                                   "--main-first", "--health",
                                    "http://127.0.0.1:8000/health", "--unserved-grace", "5",
                                    *drain(serving=True))}),
     (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nhost: 10.0.0.1\nport: 9000\n"
      f"health: {{path: /ping}}\n{TWO_NODES}", 0,
-     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--health",
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--main-first", "--health",
                  "http://10.0.0.1:9000/ping", "--unserved-grace", "5", *drain(serving=True))}),
     (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nhost: '::'\n{TWO_NODES}", 0,
-     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--health",
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--main-first", "--health",
                  "http://[::1]:8000/health", "--unserved-grace", "5", *drain(serving=True))}),
     # a grace no longer than the quick one: nothing to shorten
     (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nstop_timeout: 10\n"
      f"drain: {{delay: 0, timeout: 5}}\n{TWO_NODES}", 0,
-     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "5",
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "5", "--main-first",
                  *drain(serving=True, delay=0, timeout=5))}),
     (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 1,
      {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--main-first",

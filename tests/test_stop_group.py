@@ -143,15 +143,17 @@ def test_stop_group_kills_after_the_grace_only_what_ignores_sigterm(
 
 @pytest.mark.parametrize("main_ignores_term", [False, True])
 def test_main_first_signals_the_main_process_alone_then_kills_the_group(
-        main_ignores_term: bool) -> None:
-    """--main-first (Ray units, KillMode=mixed): SIGTERM reaches only the main process;
-    its child, which ignores SIGTERM, is left for systemd unless the main process outlives
-    the grace, and then the whole group gets SIGKILL."""
+        main_ignores_term: bool, tmp_path: Path) -> None:
+    """--main-first (Ray units, KillMode=mixed; a serving rank whose main process drains):
+    SIGTERM reaches only the main process; once it is gone, or outlived the grace, the
+    rest of the group gets SIGKILL, its child that never heard a SIGTERM included."""
     groups = _cgroup(f"llmgw-test-stopgroup-main-{os.getpid()}-{int(main_ignores_term)}")
+    heard = tmp_path / "child-heard-sigterm"
     code = ("import signal, subprocess, sys, time\n"
-            "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
-            "time.sleep(600)'], stdout=subprocess.PIPE, text=True)\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import signal, sys, time; "
+            "signal.signal(signal.SIGTERM, lambda *_: open(sys.argv[1], \"w\").close()); "
+            f"print(1, flush=True); time.sleep(600)', {str(heard)!r}], "
+            "stdout=subprocess.PIPE, text=True)\n"
             "child.stdout.readline()\n"
             + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if main_ignores_term else "")
             + "print(child.pid, flush=True)\ntime.sleep(600)")
@@ -170,10 +172,8 @@ def test_main_first_signals_the_main_process_alone_then_kills_the_group(
         assert stopgroup.stop_main_first(groups, main.pid, grace=1.0)
         assert main.wait(timeout=10) == (-signal.SIGKILL if main_ignores_term
                                          else -signal.SIGTERM)
-        if main_ignores_term:  # the group went with it
-            assert child_pid not in stopgroup.members(groups)
-        else:  # left to systemd's SIGKILL (KillMode=mixed)
-            assert child_pid in stopgroup.members(groups)
+        assert child_pid not in stopgroup.members(groups)  # the child went too
+        assert not heard.exists()  # by SIGKILL: SIGTERM was the main process's alone
     finally:
         for pid in stopgroup.members(groups):
             os.kill(pid, signal.SIGKILL)

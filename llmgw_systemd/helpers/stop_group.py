@@ -30,11 +30,12 @@ SIGTERM while it waits for its peers or for Ray's placement group, and a stop th
 the whole grace (25.4 s for an mp rank 0, 27.0 s for a Ray leader; docs/engines.md). A
 rank that answers keeps its drain.
 
---main-first is KillMode=mixed's order, for `ray start` units: the main process alone
-gets SIGTERM and stops its own children (a Ray head signalled together with its GCS
-takes 30 s longer); once it is gone, systemd's mixed SIGKILL ends the rest. Only if it
-is still there after the grace (a worker stopped while it joins ignores SIGTERM) is
-the whole group SIGKILLed, inside the stop (docs/engines.md).
+--main-first is KillMode=mixed's order, for `ray start` units and for a serving rank
+whose main process drains: the main process alone gets SIGTERM and stops its own
+children (a Ray head signalled together with its GCS takes 30 s longer; vLLM's engine
+core signalled together with its API server dies under the requests the server is
+draining); once it is gone, or still there after the grace (a worker stopped while it
+joins ignores SIGTERM), whatever is left is SIGKILLed, inside the stop (docs/engines.md).
 
 Exit 0 once no other process is left in the group; 1 if some survived SIGKILL (then
 systemd's own SIGKILL follows), 2 on bad arguments.
@@ -146,18 +147,17 @@ def kill_group(groups: Sequence[Path]) -> set[int]:
 
 
 def stop_main_first(groups: Sequence[Path], main_pid: int, grace: float) -> bool:
-    """SIGTERM to the main process, wait up to grace for it to go, then SIGKILL the whole
-    group; True once the main process is gone (systemd ends the rest)."""
+    """SIGTERM to the main process, wait up to grace for it to go (it stops its own
+    children), then SIGKILL whatever is left in the group, as KillMode=mixed does; True
+    once the group is empty."""
     terminate({main_pid})
     deadline = time.monotonic() + grace
     while _running(main_pid, groups) and time.monotonic() < deadline:
         time.sleep(POLL)
-    if not _running(main_pid, groups):
-        return True
-    print(f"{PROG}: main process {main_pid} still running {grace:.0f} s after SIGTERM; "
-          "sending SIGKILL to the group", flush=True)
-    kill_group(groups)
-    return not _running(main_pid, groups)
+    if _running(main_pid, groups):
+        print(f"{PROG}: main process {main_pid} still running {grace:.0f} s after SIGTERM; "
+              "sending SIGKILL to the group", flush=True)
+    return not kill_group(groups)
 
 
 def _running(pid: int, groups: Sequence[Path]) -> bool:

@@ -292,8 +292,9 @@ def _exec_stop(manager: Manager, step: Step, replica: Replica, *, is_engine: boo
     if not step.stop_with_grace and not is_engine:
         return None
     grace = stop_grace(replica.stop_timeout)
-    # KillMode=mixed means "the main process first": llmgw-stop-group keeps that order
-    main_first = ("--main-first",) if step.kill_mode == "mixed" else ()
+    # KillMode=mixed means "the main process first": llmgw-stop-group keeps that order;
+    # so does a main process that drains and stops its own children
+    main_first = ("--main-first",) if step.kill_mode == "mixed" or step.main_drains else ()
     # the serving rank drains only what it serves: one that does not answer its health
     # check at the stop (still starting, blocked at its rendezvous) stops quickly
     health = health_url(replica) if serves else None

@@ -94,6 +94,10 @@ class Step:
     kill_mode: KillMode = "control-group"  # "mixed" for `ray start`
     clean_exit_signals: tuple[str, ...] = ()
     stop_with_grace: bool = False  # ExecStop=llmgw-stop-group: SIGTERM, grace, SIGKILL
+    # SIGTERM to the main process alone at a stop: it drains what it serves and stops its
+    # own children (vLLM's API server with --shutdown-timeout stops its engine core once
+    # the requests in flight are done; signalled with it, the core dies under them)
+    main_drains: bool = False
 
 
 class Http(NamedTuple):

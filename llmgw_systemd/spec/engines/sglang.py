@@ -79,7 +79,7 @@ class Sglang:
             else:
                 frees = (Endpoint(wildcard(nodes[rank].address), init.port),)
         return (Step(name="engine", role=role, argv=argv + server.args, wait_for=wait_for,
-                     frees=frees),)
+                     frees=frees, main_drains=rank == 0),)
 
     def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
         return self.server.port_claims(rendezvous=uses_rendezvous(n_nodes))

@@ -361,7 +361,7 @@ def _ray_steps(vllm: Vllm, ray: RayLaunch, replica: str, nodes: Sequence[Node], 
               *_distributed_args(vllm), *_drain_args(vllm), *server.args),
         wait_for=(head,), env=(*ray_env, ("RAY_ADDRESS", str(head))),
         clean_exit_statuses=VLLM_CLEAN_EXIT, credential_env=token,
-        clean_exit_signals=VLLM_CLEAN_SIGNALS, stop_with_grace=True,
+        clean_exit_signals=VLLM_CLEAN_SIGNALS, stop_with_grace=True, main_drains=True,
     )
     return (ray_head, engine)
 
@@ -391,4 +391,5 @@ def _mp_step(vllm: Vllm, nodes: Sequence[Node], rank: int) -> Step:
             frees = (Endpoint(wildcard(address), master.port),)
     return Step(name="engine", role=role, argv=argv + server.args, frees=frees,
                 env=(("VLLM_HOST_IP", address),), clean_exit_statuses=VLLM_CLEAN_EXIT,
-                clean_exit_signals=VLLM_CLEAN_SIGNALS, stop_with_grace=True)
+                clean_exit_signals=VLLM_CLEAN_SIGNALS, stop_with_grace=True,
+                main_drains=rank == 0)
