@@ -480,6 +480,15 @@ JUDGED = [
            memory=Memory(served=GEN, routable=False), local=units("restart"),
            draining=RESTART_A,
            drained=True, stopping=PLANNED, held=False, reason="was not in rotation"),
+    Judged("drain begun out of rotation for longer than the delay: drained at once",
+           "drained", False, memory=Memory(served=GEN, routable=False, routable_at=NOW - 5),
+           local=units("restart"), draining=RESTART_A, drained=True, stopping=PLANNED,
+           held=False, reason="was not in rotation"),
+    # ... but routable a moment ago: a gateway may not have noticed yet, so it waits
+    Judged("drain begun just after a moment out of rotation: waits the delay", "draining",
+           False, memory=Memory(served=GEN, routable=False, routable_at=NOW - 1),
+           local=units("restart"), draining=RESTART_A, stopping=PLANNED, held=True,
+           reason="out of rotation for 0 s"),
     # a supervisor that just started (no last judgement) assumes the replica was in
     # rotation: a drain it finds is not cut short to nothing
     Judged("drain found by a supervisor that just started: waits the delay", "draining",

@@ -123,6 +123,9 @@ class Memory:
     # what the last judgement said (a drain starting now was served); None before the
     # first: a supervisor restarted in the middle of a drain assumes it was
     routable: bool | None = None
+    # when a judgement last said routable: a gateway may still send for drain.delay after
+    # (it has not noticed yet), so a drain beginning within that was served all the same
+    routable_at: float | None = None
 
 
 DEATH, STALL = "death", "stall"
@@ -349,10 +352,12 @@ def _drain(policy: ReplicaPolicy, verdict: Verdict, now: float,
         ranks = tuple(replace(r, drained=False) if r.rank == policy.rank else r
                       for r in verdict.ranks)
         return replace(verdict, ranks=ranks, routable=routable,
-                       memory=replace(memory, drain=None, routable=routable))
+                       memory=replace(memory, drain=None, routable=routable,
+                                      routable_at=now if routable else memory.routable_at))
     held = memory.drain
-    drain = (Drain(now, memory.routable is not False, causes) if held is None
-             else replace(held, causes=causes))
+    served = memory.routable is not False or (
+        memory.routable_at is not None and now - memory.routable_at < policy.drain_delay)
+    drain = Drain(now, served, causes) if held is None else replace(held, causes=causes)
     serving = next((r for r in verdict.ranks if r.rank != policy.rank
                     and policy.serving_rank == r.rank), None)
     generation = dict(verdict.generations).get(policy.rank, "")
