@@ -14,6 +14,8 @@ Traffic: `clients` concurrent clients send POST /v1/completions back to back for
 from a child process (in a namespace when given); each request's start (time.monotonic(),
 which every namespace shares), duration, HTTP status (0: no HTTP answer) and X-Served-By
 come back. Sampler records servers_up() every 0.5 s meanwhile.
+
+bridge_address() puts a third machine on a two_nodes link, for HAProxy and its clients.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import re
 import signal
 import socket
 import subprocess
-import threading
-import time
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
+import systemd_harness as harness
 from specs import free_port
 from systemd_harness import Netns, wait_until
 
@@ -256,14 +259,16 @@ class HAProxy:
 # Runs in a child process (in a namespace when given): `clients` threads send completions
 # back to back for `seconds`; one JSON line per request, printed when it ended.
 _LOAD = """\
-import http.client, json, sys, threading, time, urllib.parse
+import http.client, json, signal, sys, threading, time, urllib.parse
 url, clients, seconds, timeout, body, header = (sys.argv[1], int(sys.argv[2]),
     float(sys.argv[3]), float(sys.argv[4]), sys.argv[5].encode(), sys.argv[6])
 where = urllib.parse.urlsplit(url)
 end = time.monotonic() + seconds
+over = threading.Event()
+signal.signal(signal.SIGUSR1, lambda *_: over.set())  # finish(): no new requests
 lock = threading.Lock()
 def client():
-    while time.monotonic() < end:
+    while time.monotonic() < end and not over.is_set():
         started = time.monotonic()
         status, server, tokens, error = 0, "", 0, ""
         conn = http.client.HTTPConnection(where.hostname, where.port, timeout=timeout)
@@ -329,26 +334,44 @@ class Traffic:
         self.limit = seconds + timeout + 30
         self.requests: list[Request] = []
         self.stderr = ""
-        self._process: subprocess.Popen[str] | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        # files, not pipes: a pipe nobody reads until the end fills (64 KiB, some 540
+        # requests) and blocks every client in its print
+        self._out: IO[bytes] | None = None
+        self._err: IO[bytes] | None = None
 
     def start(self) -> Traffic:
-        self._process = subprocess.Popen(self.argv, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                         text=True, env={"PATH": os.environ["PATH"]})
+        self._out = tempfile.TemporaryFile()  # noqa: SIM115 - closed in wait()
+        self._err = tempfile.TemporaryFile()  # noqa: SIM115
+        self._process = subprocess.Popen(self.argv, stdout=self._out, stderr=self._err,
+                                         stdin=subprocess.DEVNULL,
+                                         env={"PATH": os.environ["PATH"]})
         return self
 
     def wait(self) -> list[Request]:
         process, self._process = self._process, None
-        assert process is not None, "not started"
+        assert process is not None and self._out is not None and self._err is not None, \
+            "not started"
         try:
-            out, self.stderr = process.communicate(timeout=self.limit)
+            process.wait(timeout=self.limit)
         except subprocess.TimeoutExpired:
             process.kill()
-            out, self.stderr = process.communicate(timeout=10)
-        self.requests = [Request(**json.loads(line)) for line in out.splitlines()
-                         if line.strip()]
+            process.wait(timeout=10)
+        out, err = self._out, self._err
+        out.seek(0)
+        err.seek(0)
+        lines, self.stderr = out.read().decode().splitlines(), err.read().decode()
+        out.close()
+        err.close()
+        self.requests = [Request(**json.loads(line)) for line in lines if line.strip()]
         assert process.returncode == 0, f"load exited with {process.returncode}: {self.stderr}"
         return self.requests
+
+    def finish(self) -> list[Request]:
+        """End the load early: no new requests (those running finish), then wait()."""
+        assert self._process is not None, "not started"
+        self._process.send_signal(signal.SIGUSR1)
+        return self.wait()
 
     def __enter__(self) -> Traffic:
         return self.start()
@@ -358,8 +381,7 @@ class Traffic:
             return
         if exc_type is not None:  # the test failed inside: end the load now, by PID
             self._process.kill()
-            self._process.communicate(timeout=10)
-            self._process = None
+            self.wait()
             return
         self.wait()
 
@@ -377,34 +399,16 @@ class Traffic:
         return counts
 
 
-class Sampler:
+class Sampler(harness.Sampler["frozenset[str] | None"]):
     """Records (time.monotonic(), servers_up()) every `interval` s in a thread, for at most
     `limit` s, from entry to exit. A sample the stats socket did not answer is None."""
 
     def __init__(self, haproxy: HAProxy, interval: float = 0.5, limit: float = 600) -> None:
-        self.haproxy, self.interval, self.limit = haproxy, interval, limit
-        self.samples: list[tuple[float, frozenset[str] | None]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__(haproxy.servers_up, interval, lambda exc: None, limit)
 
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + self.limit
-        while time.monotonic() < deadline:
-            try:
-                up: frozenset[str] | None = self.haproxy.servers_up()
-            except OSError:
-                up = None
-            self.samples.append((time.monotonic(), up))
-            if self._stop.wait(self.interval):
-                return
+    @property
+    def samples(self) -> list[tuple[float, frozenset[str] | None]]:
+        return self.seen
 
     def fewest_up(self) -> int:
         """The fewest servers in rotation in any sample (an unanswered sample counts 0)."""
@@ -412,16 +416,56 @@ class Sampler:
         return min(len(up or ()) for _, up in self.samples)
 
     def transitions(self, server: str) -> list[tuple[float, bool]]:
-        """(time, in rotation) at the first sample and at each change for `server`."""
-        changes: list[tuple[float, bool]] = []
-        for at, up in self.samples:
-            now = up is not None and server in up
-            if not changes or changes[-1][1] != now:
-                changes.append((at, now))
-        return changes
+        return transitions(self.samples, server)
+
+
+Samples = Sequence[tuple[float, "frozenset[str] | None"]]
+
+
+def transitions(samples: Samples, server: str) -> list[tuple[float, bool]]:
+    """(time, in rotation) at the first sample and at each change for `server`."""
+    changes: list[tuple[float, bool]] = []
+    for at, up in samples:
+        now = up is not None and server in up
+        if not changes or changes[-1][1] != now:
+            changes.append((at, now))
+    return changes
 
 
 def in_rotation(samples: Iterable[tuple[float, frozenset[str] | None]], server: str,
                 start: float, end: float) -> bool:
     """Whether every sample between start and end had `server` in rotation."""
     return all(up is not None and server in up for at, up in samples if start <= at <= end)
+
+
+def out_window(samples: Samples, server: str) -> tuple[float, float]:
+    """When the samples first had `server` out, and first had it back after that: it must
+    have gone out once and come back once."""
+    changes = transitions(samples, server)
+    assert [up for _, up in changes] == [True, False, True], changes
+    return changes[1][0], changes[2][0]
+
+
+def summary(requests: Sequence[Request]) -> str:
+    """How many requests, how many failed, and how many each server answered."""
+    by: dict[str, int] = {}
+    for r in requests:
+        by[r.server] = by.get(r.server, 0) + 1
+    failed = sum(1 for r in requests if r.status != 200)
+    return f"{len(requests)} requests, {failed} failed, by server {by}"
+
+
+def bridge_address(hub: str, address: str) -> str:
+    """Give a bridge's own namespace `hub` (the hub of a test network, which joins the
+    nodes and has no link to the root namespace) `address` on its br0: a third machine on
+    the link, where HAProxy and the clients run. The address goes with the namespace; a
+    second call finds it there. Returns `hub`."""
+    shown = subprocess.run(["ip", "-n", hub, "-br", "addr", "show", "br0"],
+                           capture_output=True, text=True, timeout=10, check=False).stdout
+    if f" {address}/24" in shown:
+        return hub
+    for args in (("link", "set", "lo", "up"), ("addr", "add", f"{address}/24", "dev", "br0")):
+        proc = subprocess.run(["ip", "-n", hub, *args], capture_output=True, text=True,
+                              timeout=10, check=False)
+        assert proc.returncode == 0, proc.stderr
+    return hub

@@ -16,11 +16,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
 from installed import RENDER
 
@@ -29,6 +30,43 @@ USER_MANAGER = HERE / "harness" / "user-manager"
 STANDINS = HERE / "standins"
 CGROUP_ROOTS = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]
 T = TypeVar("T")
+S = TypeVar("S", bound="Sampler[Any]")
+
+
+class Sampler(Generic[T]):
+    """Calls read() every `interval` s in a thread, from entry to exit (for at most
+    `limit` s, whatever the test does), keeping (time.monotonic(), value) in `seen`; a read
+    that raises AssertionError, OSError or ValueError is kept as failed(the exception).
+    A value is stamped with the moment its read began: the answer was current at some
+    moment of the read, and the time a read takes on a loaded machine (a process spawned
+    in a namespace) is not the answerer's."""
+
+    def __init__(self, read: Callable[[], T], interval: float,
+                 failed: Callable[[Exception], T], limit: float = 600) -> None:
+        self.read, self.interval, self.failed, self.limit = read, interval, failed, limit
+        self.seen: list[tuple[float, T]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self: S) -> S:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.limit
+        while time.monotonic() < deadline:
+            began = time.monotonic()
+            try:
+                value = self.read()
+            except (AssertionError, OSError, ValueError) as exc:
+                value = self.failed(exc)
+            self.seen.append((began, value))
+            if self._stop.wait(self.interval):
+                return
 
 
 class HarnessError(AssertionError):
@@ -116,8 +154,8 @@ def _ip(*args: str) -> None:
 
 
 def make_network(tag: str, count: int) -> list[Netns]:
-    """count namespaces on one bridge-less link: two ends of a veth pair (count == 2) or a
-    bridge namespace joining them (count > 2)."""
+    """count namespaces; more than one are joined by a bridge in a hub namespace of their
+    own (hub_of), with no link to the root namespace."""
     nodes = [Netns(f"llmgw-{tag}-{i}", f"192.0.2.{i + 1}") for i in range(count)]
     for ns in nodes:
         _ip("netns", "add", ns.name)
@@ -138,6 +176,13 @@ def make_network(tag: str, count: int) -> list[Netns]:
         _ip("-n", hub, "link", "set", f"lg{tag}{i}b", "master", "br0")
         _ip("-n", hub, "link", "set", f"lg{tag}{i}b", "up")
     return nodes
+
+
+def hub_of(netns: Netns | str) -> str:
+    """The bridge's namespace of the network `netns` is on (make_network with count > 1,
+    or the booted tier's: llmgw-TAG-K joined in llmgw-TAG-hub)."""
+    name = netns.name if isinstance(netns, Netns) else netns
+    return f"{name.rpartition('-')[0]}-hub"
 
 
 def set_link(netns: Netns, connected: bool) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,21 +39,20 @@ def one_node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[UserMan
         manager.stop()
 
 
-@pytest.fixture
-def two_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Nodes]:
+@contextlib.contextmanager
+def _nodes(tag: str, base: Path, failed: Callable[[], bool]) -> Iterator[Nodes]:
     """Two managers, each in its own network namespace, joined by a bridge:
-    node-a at 192.0.2.1 and node-b at 192.0.2.2."""
-    tag = f"{os.getpid() % 10000}{abs(hash(request.node.nodeid)) % 100}"
+    node-a at 192.0.2.1 and node-b at 192.0.2.2. Their state under base."""
     managers: dict[str, UserManager] = {}
     try:
         network = make_network(tag, 2)
         for name, ns in zip(("node-a", "node-b"), network):
-            manager = UserManager(f"llmgw-test-{tag}-{name}", tmp_path / name, netns=ns)
+            manager = UserManager(f"llmgw-test-{tag}-{name}", base / name, netns=ns)
             managers[name] = manager
             manager.start()
         yield Nodes(managers)
     finally:
-        if _failed(request):
+        if failed():
             for manager in managers.values():
                 print(manager.dump())
         errors = []
@@ -64,3 +64,23 @@ def two_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Nodes]
         remove_network(tag)
         assert not [n for n in list_netns() if n.startswith(f"llmgw-{tag}-")]
         assert not errors, errors
+
+
+@pytest.fixture
+def two_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Nodes]:
+    """Two nodes for one test."""
+    tag = f"{os.getpid() % 10000}{abs(hash(request.node.nodeid)) % 100}"
+    with _nodes(tag, tmp_path, lambda: _failed(request)) as nodes:
+        yield nodes
+
+
+@pytest.fixture(scope="module")
+def shared_two_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                     ) -> Iterator[Nodes]:
+    """Two nodes for every test of one module: for replicas that take minutes to start and
+    serve several scenarios in turn (the module's fixtures then run them in file order)."""
+    tag = f"{os.getpid() % 10000}m{abs(hash(request.node.nodeid)) % 10}"
+    failures = request.session.testsfailed
+    with _nodes(tag, tmp_path_factory.mktemp("nodes"),
+                lambda: request.session.testsfailed > failures) as nodes:
+        yield nodes

@@ -8,18 +8,18 @@ import json
 import os
 import signal
 import subprocess
-import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import systemd_harness as harness
 from installed import BIN_DIR
 from systemd_harness import STANDINS, UserManager, wait_until
 
 from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL
 
 SUPERVISOR = str(BIN_DIR / "llmgw-supervisor")
+LLMGW_SYSTEMD = str(BIN_DIR / "llmgw-systemd")
 HOSTILE_PEER = STANDINS / "hostile_peer.py"
 
 # Runs inside a node's namespace: one GET, printed as status, then the body.
@@ -145,6 +145,16 @@ class SupervisorProcess(ApiReader):
             wait_until(lambda: self.alive() and self.up(), 30,
                        f"the supervisor on {self.node} to answer")
 
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """`llmgw-systemd ARGS` as an operator on this node runs it: in its namespace, on
+        its manager, with this supervisor's spec and state directory."""
+        argv = [LLMGW_SYSTEMD, *args, "--user", "--state-dir", str(self.state_dir),
+                "--spec", str(self.spec), "--node-name", self.node]
+        if self.manager.netns is not None:
+            argv = ["ip", "netns", "exec", self.manager.netns.name, *argv]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False,
+                              env=self.manager.env, stdin=subprocess.DEVNULL)
+
     def up(self) -> bool:
         if "--tls-cert" in self.extra and "--local" not in self.extra:
             return "API on https://" in self.log.read_text(errors="replace")
@@ -186,33 +196,12 @@ class SupervisorProcess(ApiReader):
         return self.log.read_text(errors="replace")[-chars:]
 
 
-class Sampler:
+class Sampler(harness.Sampler[str]):
     """Reads a replica's state over and over in the background, so a test can say what
     it was at every moment of a window, not only at the end."""
 
     def __init__(self, read: Callable[[], str], interval: float = 0.1) -> None:
-        self.read, self.interval = read, interval
-        self.seen: list[tuple[float, str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + 600  # bounded, whatever the test does
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            try:
-                state = self.read()
-            except (AssertionError, OSError, ValueError) as exc:
-                state = f"error: {exc}"
-            self.seen.append((time.monotonic(), state))
-            self._stop.wait(self.interval)
+        super().__init__(read, interval, lambda exc: f"error: {exc}")
 
     def states(self) -> set[str]:
         return {s for _, s in self.seen}

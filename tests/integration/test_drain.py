@@ -26,18 +26,25 @@ two_nodes fixture's."""
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from installed import BIN_DIR
-from loadbalancer import HAProxy, Request, Sampler, Server, Traffic, in_rotation
+from loadbalancer import (
+    HAProxy,
+    Sampler,
+    Server,
+    Traffic,
+    bridge_address,
+    in_rotation,
+    out_window,
+    summary,
+)
 from specs import PYTHON, free_port, write, yaml_list
 from supervisors import SupervisorProcess, stop_and_show
-from systemd_harness import STANDINS, Netns, Nodes, UserManager, wait_until
+from systemd_harness import STANDINS, Nodes, UserManager, hub_of, wait_until
 
 pytestmark = [pytest.mark.integration]
 
@@ -47,7 +54,6 @@ ANSWER = 0.5  # seconds the stand-in takes per completion
 CLIENTS = 4
 LB_ADDRESS = "192.0.2.100"  # HAProxy's, on the bridge
 SETTLE = 5  # slack on top of a bound, for a loaded machine
-LLMGW_SYSTEMD = str(BIN_DIR / "llmgw-systemd")
 STEP_LINE = "llmgw-stop-group: a: "
 
 
@@ -90,30 +96,6 @@ class Cluster:
         return Traffic(self.lb.url, clients=CLIENTS, seconds=seconds, timeout=30,
                        netns=self.lb_netns)
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """llmgw-systemd ... in node-a's namespace, on its user manager, with the spec
-        and node-a's supervisor's state directory."""
-        manager = self.nodes["node-a"]
-        assert manager.netns is not None
-        argv = ["ip", "netns", "exec", manager.netns.name, LLMGW_SYSTEMD, *args, "--user",
-                "--state-dir", str(self.sups["node-a"].state_dir), "--spec", str(self.spec),
-                "--node-name", "node-a"]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=120,
-                              check=False, env=manager.env, stdin=subprocess.DEVNULL)
-
-
-def bridge_address(netns: Netns) -> str:
-    """Give the bridge's own namespace (the two_nodes hub) an address: a third machine
-    on the link, where HAProxy and the clients run. Removed with the namespace."""
-    tag = netns.name.removeprefix("llmgw-").rpartition("-")[0]
-    hub = f"llmgw-{tag}-hub"
-    for args in (("link", "set", "lo", "up"),
-                 ("addr", "add", f"{LB_ADDRESS}/24", "dev", "br0")):
-        proc = subprocess.run(["ip", "-n", hub, *args], capture_output=True, text=True,
-                              timeout=10, check=False)
-        assert proc.returncode == 0, proc.stderr
-    return hub
-
 
 @pytest.fixture
 def cluster(two_nodes: Nodes, tmp_path: Path) -> Iterator[Cluster]:
@@ -133,7 +115,7 @@ def cluster(two_nodes: Nodes, tmp_path: Path) -> Iterator[Cluster]:
             sup.wait_state(name, "ready", 60)
         netns = two_nodes["node-a"].netns
         assert netns is not None
-        hub = bridge_address(netns)
+        hub = bridge_address(hub_of(netns), LB_ADDRESS)
         servers = [Server("a", "192.0.2.1", ports["a"], "192.0.2.1", API_PORT, "node-a"),
                    Server("b", "192.0.2.2", ports["b"], "192.0.2.2", API_PORT, "node-b")]
         lb = HAProxy(tmp_path / "lb", servers, netns=hub, port=8080).start(timeout=30)
@@ -155,20 +137,6 @@ def step_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if line.startswith(STEP_LINE)]
 
 
-def summary(requests: list[Request], failed: list[Request]) -> str:
-    by: dict[str, int] = {}
-    for r in requests:
-        by[r.server] = by.get(r.server, 0) + 1
-    return f"{len(requests)} requests, {len(failed)} failed, by server {by}"
-
-
-def out_window(sampler: Sampler, server: str) -> tuple[float, float]:
-    """When the sampler first saw `server` out, and first saw it back after that."""
-    changes = sampler.transitions(server)
-    assert [up for _, up in changes] == [True, False, True], changes
-    return changes[1][0], changes[2][0]
-
-
 def test_planned_restart_leaves_rotation_first_and_fails_nothing(cluster: Cluster) -> None:
     node_a: UserManager = cluster.nodes["node-a"]
     lb = cluster.lb
@@ -181,12 +149,12 @@ def test_planned_restart_leaves_rotation_first_and_fails_nothing(cluster: Cluste
         lb.wait_until_up("a", timeout=30)
         back = time.monotonic()
     requests, failed = traffic.requests, traffic.failed
-    print(f"restart: {summary(requests, failed)}; systemctl restart took "
+    print(f"restart: {summary(requests)}; systemctl restart took "
           f"{restarted - asked:.1f} s; back in rotation {back - asked:.1f} s after it")
     assert not failed, failed[:5]
-    assert len(requests) > 40, summary(requests, failed)
+    assert len(requests) > 40, summary(requests)
 
-    out, came_back = out_window(sampler, "a")
+    out, came_back = out_window(sampler.samples, "a")
     terms = sigterm_times(cluster.engine_log("a"))
     assert len(terms) == 1, cluster.engine_log("a")
     term = terms[0]
@@ -216,20 +184,20 @@ def test_drain_and_resume_from_the_cli(cluster: Cluster) -> None:
     with Sampler(lb, interval=0.25) as sampler, cluster.traffic(25) as traffic:
         time.sleep(3)
         asked = time.monotonic()
-        drained = cluster.cli("drain", "a", "--wait", "--reason", "test")
+        drained = cluster.sups["node-a"].cli("drain", "a", "--wait", "--reason", "test")
         returned = time.monotonic()
         assert drained.returncode == 0, (drained.stdout, drained.stderr)
         lb.wait_until_down("a", timeout=SETTLE)
         data = cluster.sups["node-a"].replica("a")
         time.sleep(3)  # `b` alone carries the load meanwhile
         resumed = time.monotonic()
-        done = cluster.cli("resume", "a")
+        done = cluster.sups["node-a"].cli("resume", "a")
         assert done.returncode == 0, (done.stdout, done.stderr)
         lb.wait_until_up("a", timeout=30)
         back = time.monotonic()
     requests, failed = traffic.requests, traffic.failed
-    out, came_back = out_window(sampler, "a")
-    print(f"drain --wait: {summary(requests, failed)}; returned after {returned - asked:.1f}"
+    out, came_back = out_window(sampler.samples, "a")
+    print(f"drain --wait: {summary(requests)}; returned after {returned - asked:.1f}"
           f" s; a out at +{out - asked:.2f} s, {came_back - out:.1f} s out; back "
           f"{back - resumed:.1f} s after resume")
     assert not failed, failed[:5]

@@ -51,8 +51,8 @@ STALL_AFTER = 20
 CHECK = {"interval": 1, "timeout": 5}  # the generation check
 # Not ready over a failed completion once the fault is older than the check's interval
 # + timeout (the next check after the last success times out then), plus a second: the
-# fault's start is stamped before `systemctl kill` returns, and a sample is stamped
-# after its API read, which shows the last judgement before it.
+# fault's start is stamped before `systemctl kill` returns, and the judge and the peer's
+# long poll take their turns (a sample is stamped when its read began).
 NOTICE = CHECK["interval"] + CHECK["timeout"] + 1
 # two sequences at a time: six clients keep four waiting, and the check with them
 ARGS = ('[--max-model-len, "256", --enforce-eager, --dtype, float32, --max-num-seqs, "2"]')
