@@ -1,0 +1,369 @@
+"""The engine tier's drain (docs/supervisor.md, "Drain"; docs/loadbalancer.md): the real
+vLLM (CPU build) behind a real HAProxy, configured from the doc as written, on a third
+machine (the bridge's namespace), with four clients throughout. Beside the vLLM replica in
+rotation: `standby` on node-b, the stand-in tests/standins/completion_server.py as a
+command engine, so that the load has somewhere to go (two vLLM replicas at once are more
+than this machine's two cores carry). One vLLM replica runs at a time:
+
+- `one`: one node (node-a);
+- `tp`: the mp backend, tensor parallel over node-a (rank 0, serving) and node-b (rank 1).
+
+They serve every scenario, in file order:
+
+1. `systemctl restart llmgw-one.target`: not one request fails; HAProxy has taken `one`
+   out within the drain delay; vLLM stopped in its drain mode (--shutdown-timeout, from
+   drain.timeout) and the stop ended inactive, not killed at TimeoutStopSec=; `standby`
+   is in rotation in every sample.
+2. `systemctl restart llmgw-tp.target` on node-b, the worker: not one request fails (rank
+   1 stops only once rank 0 has nothing in flight: its leaving breaks rank 0's
+   collective), and `tp` comes back into rotation.
+3. `llmgw-systemd drain tp --wait`, then `resume tp`: nothing fails, nothing stops; out
+   of rotation within the delay, back within HAProxy's rise checks.
+4. Failures never wait: SIGKILL of every process of rank 1 is waiting to restart within
+   a moment, with no drain step.
+
+Bounds here are the test's, never asserted figures: bench/drain.py measures."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from loadbalancer import (
+    HAProxy,
+    Request,
+    Sampler,
+    Server,
+    Traffic,
+    bridge_address,
+    in_rotation,
+    out_window,
+    summary,
+)
+from realengine import ENGINE_ARGS, MODEL, VENV, assert_engines, complete, env_yaml, manager_pids
+from specs import PYTHON, free_port, write, yaml_list
+from supervisors import Sampler as StateSampler
+from supervisors import SupervisorProcess, stop_and_show
+from systemd_harness import STANDINS, Nodes, UserManager, hub_of, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.engines]
+
+API_PORT = 9470
+DELAY, TIMEOUT = 3, 10  # the replicas' drain
+LB_ADDRESS = "192.0.2.100"
+CLIENTS = 4
+SETTLE = 5  # slack on top of a bound, for a loaded machine
+BACK = 300  # bound on a vLLM restart on this machine's two cores
+RISE = 2 * 1  # HAProxy's `rise 2` checks, `inter 1s` apart (docs/loadbalancer.md)
+ADDRESS = {"node-a": "192.0.2.1", "node-b": "192.0.2.2"}
+NODES = {"one": ("node-a",), "tp": ("node-a", "node-b"), "standby": ("node-b",)}
+VLLM_REPLICAS = {"one", "tp"}
+
+
+def spec_text(ports: dict[str, int], master: int, delay: int = DELAY, timeout: int = TIMEOUT
+              ) -> str:
+    common = f"""\
+    drain: {{delay: {delay}, timeout: {timeout}}}
+    restart: {{delay: 2, burst: 20, interval: 900}}
+    health: {{interval: 1, timeout: 2, stability: 2, generation: {{interval: 1, timeout: 5}}}}
+"""
+    vllm = f"""\
+    engine: vllm
+    launch_mode: mp
+    model: {MODEL}
+    virtualenv: {VENV}
+    env: {env_yaml()}
+    args: {ENGINE_ARGS}
+    stop_timeout: 20
+    group_restart: {{delay: 1, max_delay: 8, budget: 10, window: 900}}
+"""
+    standby = [PYTHON, str(STANDINS / "completion_server.py"), "--port",
+               str(ports["standby"]), "--delay", "0.2"]
+    return f"""\
+replicas:
+  - name: one
+{vllm}{common}    port: {ports["one"]}
+    nodes: [{{name: node-a, address: 192.0.2.1, interface: eth0}}]
+  - name: tp
+{vllm}{common}    tensor_parallel_size: 2
+    port: {ports["tp"]}
+    rendezvous_port: {master}
+    distributed_timeout: 60
+    nodes:
+      - {{name: node-a, address: 192.0.2.1, interface: eth0}}
+      - {{name: node-b, address: 192.0.2.2, interface: eth0}}
+  - name: standby
+    engine: command
+    serving_rank: 0
+    port: {ports["standby"]}
+    progress: {{steps: [completion_steps_total], pending: [completion_running]}}
+{common}    nodes: [{{name: node-b, address: 192.0.2.2}}]
+    ranks:
+      - commands:
+          - argv: {yaml_list(standby)}
+"""
+
+
+@dataclass
+class Cluster:
+    nodes: Nodes
+    base: dict[str, str]  # replica: its serving rank's URL
+    sups: dict[str, SupervisorProcess]
+    lb: HAProxy
+    hub: str
+
+    def traffic(self, seconds: float = 900) -> Traffic:
+        return Traffic(self.lb.url, clients=CLIENTS, seconds=seconds, timeout=60,
+                       netns=self.hub)
+
+    def main_pid(self, node: str, replica: str) -> int:
+        unit = f"llmgw-{replica}-engine.service"
+        return int(self.nodes[node].show(unit, "MainPID")["MainPID"])
+
+    def log(self, node: str, replica: str) -> str:
+        path = self.nodes[node].log_dir / f"llmgw-{replica}-engine.service.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def step_lines(self, node: str, replica: str) -> list[str]:
+        """What llmgw-stop-group said in the engine's log."""
+        return [line for line in self.log(node, replica).splitlines()
+                if line.startswith(f"llmgw-stop-group: {replica}: ")]
+
+    def serving(self, replica: str) -> None:
+        """The replica, and none of the other vLLM ones, serving and in HAProxy's rotation
+        (started if it is not)."""
+        for other in VLLM_REPLICAS - {replica}:
+            for node in NODES[other]:
+                self.nodes[node].systemctl("stop", f"llmgw-{other}.target")
+        for node in reversed(NODES[replica]):  # the worker first: rank 0 waits for it
+            self.nodes[node].systemctl("start", f"llmgw-{replica}.target")
+        wait_until(functools.partial(self.completes, replica), BACK, f"{replica} to complete",
+                   interval=1)
+        self.lb.wait_until_up(replica, timeout=60)
+
+    def completes(self, replica: str) -> bool:
+        return complete(self.nodes["node-a"], self.base[replica]) == 200
+
+
+@contextlib.contextmanager
+def running(nodes: Nodes, tmp: Path, delay: int = DELAY, timeout: int = TIMEOUT
+            ) -> Iterator[Cluster]:
+    """The replicas (drain: {delay, timeout}) rendered on `nodes`, both supervisors up, the
+    standby serving behind HAProxy (the vLLM replicas start with Cluster.serving);
+    afterwards every unit stopped and nothing left."""
+    assert_engines()
+    ports = {r: free_port() for r in ("one", "tp", "standby")}
+    spec = write(tmp / "spec.yaml", spec_text(ports, free_port(), delay, timeout))
+    sups: list[SupervisorProcess] = []
+    lb: HAProxy | None = None
+    try:
+        for node, address in ADDRESS.items():
+            nodes[node].render(spec, node)
+            sups.append(SupervisorProcess(nodes[node], node, spec,
+                                          listen=f"{address}:{API_PORT}",
+                                          state_dir=tmp / f"state-{node}"))
+        nodes["node-b"].systemctl("start", "llmgw-standby.target")
+        netns = nodes["node-a"].netns
+        assert netns is not None
+        hub = bridge_address(hub_of(netns), LB_ADDRESS)
+        serving = {r: NODES[r][0] for r in ports}  # the serving rank's node
+        servers = [Server(r, ADDRESS[n], ports[r], ADDRESS[n], API_PORT, n)
+                   for r, n in serving.items()]
+        lb = HAProxy(tmp / "lb", servers, netns=hub, port=8080).start(timeout=30)
+        lb.wait_until_up("standby", timeout=60)
+        base = {r: f"http://{ADDRESS[n]}:{ports[r]}" for r, n in serving.items()}
+        yield Cluster(nodes, base, {s.node: s for s in sups}, lb, hub)
+        for node in ADDRESS:
+            nodes[node].systemctl("stop", *(f"llmgw-{r}.target" for r in ports
+                                             if node in NODES[r]))
+            assert not manager_pids(nodes[node]), f"{node}: processes left behind"
+    finally:
+        if lb is not None:
+            lb.stop()
+            print("===== haproxy log\n" + lb.log()[-3000:])
+        stop_and_show(sups)
+
+
+@pytest.fixture(scope="module")
+def cluster(shared_two_nodes: Nodes, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[Cluster]:
+    with running(shared_two_nodes, tmp_path_factory.mktemp("engine-drain")) as cluster:
+        yield cluster
+
+
+def timed_out(manager: UserManager, unit: str) -> bool:
+    """Whether systemd ended a stop of the unit at TimeoutStopSec= (and killed it)."""
+    return f"{unit}: Failed with result 'timeout'" in manager.log_text()
+
+
+@dataclass(frozen=True)
+class Disruption:
+    """One planned restart under load: the requests; when it was asked, when systemctl
+    returned, when HAProxy had the replica back; the sampler's view of the replica
+    (out: first sample without it after asked; came_back: first with it after that)."""
+
+    requests: list[Request]
+    asked: float
+    returned: float
+    back: float
+    out: float | None
+    came_back: float | None
+    samples: list[tuple[float, frozenset[str] | None]]
+
+    @property
+    def failed(self) -> list[Request]:
+        return [r for r in self.requests if r.status != 200]
+
+    def served_after_back(self, replica: str) -> int:
+        return sum(1 for r in self.requests
+                   if r.started >= self.back and r.status == 200 and r.server == replica)
+
+    def last(self, count: int = 12) -> list[tuple[float, float, str, int]]:
+        """The last requests: (started, relative to back; took; server; status)."""
+        return [(round(r.started - self.back, 2), round(r.took, 2), r.server, r.status)
+                for r in sorted(self.requests, key=lambda r: r.started)[-count:]]
+
+
+def planned_restart(cluster: Cluster, node: str, replica: str) -> Disruption:
+    """`systemctl restart llmgw-REPLICA.target` on `node` under the load, until HAProxy
+    has the replica back and it served a few seconds more."""
+    lb, serving = cluster.lb, NODES[replica][0]
+
+    def said() -> str:
+        return "; ".join(f"{r}: {data['state']}: {data.get('reason', '')}"
+                         for r, n in ((replica, serving), ("standby", "node-b"))
+                         for data in (cluster.sups[n].replica(r),))
+    with Sampler(lb, interval=0.25) as sampler, cluster.traffic() as traffic, \
+            StateSampler(said, 0.2) as states:
+        time.sleep(3)  # both serve
+        asked = time.monotonic()
+        cluster.nodes[node].systemctl("restart", f"llmgw-{replica}.target")
+        returned = time.monotonic()
+        lb.wait_until_up(replica, timeout=BACK)
+        back = time.monotonic()
+        time.sleep(3)  # it serves again
+        traffic.finish()
+    seen = [(at, up is not None and replica in up) for at, up in sampler.samples]
+    out = next((at for at, up in seen if at > asked and not up), None)
+    came_back = next((at for at, up in seen if out is not None and at > out and up), None)
+    changes = [(round(at - asked, 1), state) for i, (at, state) in enumerate(states.seen)
+               if i == 0 or states.seen[i - 1][1] != state]
+    print(f"the supervisors, from the restart on: {changes}")
+    return Disruption(traffic.requests, asked, returned, back, out, came_back,
+                      list(sampler.samples))
+
+
+def out_window_of(restart: Disruption, replica: str) -> tuple[float, float]:
+    """When the replica left rotation (after it was asked) and came back."""
+    out, came_back = out_window(restart.samples, replica)
+    assert restart.asked < out, (restart.asked, out)
+    return out, came_back
+
+
+def crash(cluster: Cluster, node: str, replica: str) -> float:
+    """SIGKILL of every process of the replica's engine unit on `node`, as when the node
+    dies: seconds until its next engine process runs (a new MainPID)."""
+    manager, unit = cluster.nodes[node], f"llmgw-{replica}-engine.service"
+    old = cluster.main_pid(node, replica)
+    killed = time.monotonic()
+    manager.systemctl("kill", "--signal=SIGKILL", unit)
+
+    def again() -> float | None:
+        return (time.monotonic() - killed if cluster.main_pid(node, replica) not in (0, old)
+                else None)
+    return wait_until(again, 60, f"{unit} to run again", interval=0.05)
+
+
+def test_restart_of_a_one_node_replica_fails_nothing(cluster: Cluster) -> None:
+    cluster.serving("one")
+    old = cluster.main_pid("node-a", "one")
+    restart = planned_restart(cluster, "node-a", "one")
+    out, came_back = out_window_of(restart, "one")
+    print(f"figure: restart of one: {summary(restart.requests)}; systemctl restart took "
+          f"{restart.returned - restart.asked:.1f} s; out of rotation at "
+          f"+{out - restart.asked:.2f} s, back at +{came_back - restart.asked:.1f} s")
+    assert not restart.failed, restart.failed[:5]
+    assert out < restart.asked + DELAY + SETTLE
+    assert in_rotation(restart.samples, "standby", 0, float("inf")), restart.samples
+    assert cluster.main_pid("node-a", "one") not in (0, old)
+    assert restart.served_after_back("one") > 0, restart.last()
+    # vLLM drained on SIGTERM (its --shutdown-timeout, from drain.timeout), and the stop
+    # ended before TimeoutStopSec=
+    assert f"mode=drain timeout={TIMEOUT}s" in cluster.log("node-a", "one")
+    assert not timed_out(cluster.nodes["node-a"], "llmgw-one-engine.service")
+    step = cluster.step_lines("node-a", "one")
+    assert any("out of rotation: waiting for the gateways to notice" in s for s in step), step
+
+
+def test_planned_restart_of_the_worker_node_fails_nothing(cluster: Cluster) -> None:
+    cluster.serving("tp")
+    old = cluster.main_pid("node-b", "tp")
+    restart = planned_restart(cluster, "node-b", "tp")
+    out, came_back = out_window_of(restart, "tp")
+    print(f"figure: restart of tp's worker node: {summary(restart.requests)}; systemctl "
+          f"restart took {restart.returned - restart.asked:.1f} s; out of rotation at "
+          f"+{out - restart.asked:.2f} s, back at +{came_back - restart.asked:.1f} s; rank 1 "
+          f"said {cluster.step_lines('node-b', 'tp')}")
+    assert not restart.failed, restart.failed[:5]
+    assert out < restart.asked + DELAY + SETTLE
+    assert in_rotation(restart.samples, "standby", 0, float("inf")), restart.samples
+    assert cluster.main_pid("node-b", "tp") not in (0, old)
+    assert restart.served_after_back("tp") > 0, restart.last()
+    # rank 1 waited for rank 0 to have nothing in flight, then went
+    assert cluster.step_lines("node-b", "tp")[-1].endswith(": drained")
+    assert not timed_out(cluster.nodes["node-b"], "llmgw-tp-engine.service")
+
+
+def test_drain_wait_and_resume_fail_nothing_and_stop_nothing(cluster: Cluster) -> None:
+    lb, sup = cluster.lb, cluster.sups["node-a"]
+    cluster.serving("tp")
+    pids = {node: cluster.main_pid(node, "tp") for node in ADDRESS}
+    with Sampler(lb, interval=0.25) as sampler, cluster.traffic() as traffic:
+        time.sleep(3)
+        asked = time.monotonic()
+        drained = sup.cli("drain", "tp", "--wait", "--reason", "test")
+        returned = time.monotonic()
+        assert drained.returncode == 0, (drained.stdout, drained.stderr)
+        lb.wait_until_down("tp", timeout=SETTLE)
+        time.sleep(3)  # the standby alone carries the load meanwhile
+        resumed = time.monotonic()
+        done = sup.cli("resume", "tp")
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        lb.wait_until_up("tp", timeout=RISE + SETTLE)
+        back = time.monotonic()
+        time.sleep(2)
+        requests = traffic.finish()
+    out, came_back = out_window(sampler.samples, "tp")
+    print(f"figure: drain --wait of tp: {summary(requests)}; returned after "
+          f"{returned - asked:.1f} s; out of rotation at +{out - asked:.2f} s; back "
+          f"{back - resumed:.1f} s after resume")
+    assert not traffic.failed, traffic.failed[:5]
+    assert asked < out < asked + DELAY + 1  # within the delay, and a sample's slack
+    assert resumed < came_back < resumed + RISE + SETTLE
+    assert in_rotation(sampler.samples, "standby", 0, float("inf")), sampler.samples
+    assert {node: cluster.main_pid(node, "tp") for node in ADDRESS} == pids
+    assert not [r for r in requests if r.server == "tp" and out < r.started < resumed]
+    assert traffic.served_by(since=back).get("tp", 0) > 0, traffic.served_by(back)
+
+
+def test_a_killed_rank_restarts_without_a_drain(cluster: Cluster) -> None:
+    """SIGKILL of every process of rank 1, as when its node dies: no delay before the
+    restart. vLLM's units count SIGKILL as a clean exit (docs/engines.md), so systemd runs
+    the ExecStop=, whose drain step finds the main process gone and goes at once."""
+    node_b = cluster.nodes["node-b"]
+    cluster.serving("tp")
+    steps = len(cluster.step_lines("node-b", "tp"))
+    killed = time.monotonic()
+    node_b.systemctl("kill", "--signal=SIGKILL", "llmgw-tp-engine.service")
+    node_b.wait_state("llmgw-tp-engine.service", "activating", 30, sub="auto-restart")
+    waiting = time.monotonic() - killed
+    print(f"figure: SIGKILL of rank 1: waiting to restart {waiting:.2f} s after")
+    assert waiting < DELAY
+    said = cluster.step_lines("node-b", "tp")[steps:]
+    assert all(line.endswith(": no drain") for line in said), said
+    cluster.serving("tp")  # and the group serves again
