@@ -18,6 +18,7 @@ A failing scenario prints each node's units and journal (@reported).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shutil
@@ -30,10 +31,23 @@ from pathlib import Path
 
 import pytest
 from certs import run_recipe
-from nodes import ENGINE_VENV, MODEL, Client, Node, booted_nodes
+from loadbalancer import (
+    HAProxy,
+    Server,
+    TlsCheck,
+    Traffic,
+    bridge_address,
+    in_rotation,
+    out_window,
+    summary,
+)
+from loadbalancer import Sampler as LbSampler
+from nodes import ENGINE_VENV, MODEL, SUBNET, Client, Node, booted_nodes
 from realengine import assert_engines
 from supervisors import Sampler
-from systemd_harness import wait_until
+from systemd_harness import STANDINS, hub_of, wait_until
+
+from llmgw_systemd.spec.policies import DRAIN
 
 pytestmark = pytest.mark.booted
 
@@ -46,6 +60,7 @@ SPECS = "/etc/llmgw/replicas.d"
 API = "http://127.0.0.1:9470/v1"  # each supervisor's --local listener, on its own node
 OFFLINE = '{HF_HUB_OFFLINE: "1", TRANSFORMERS_OFFLINE: "1", VLLM_CPU_KVCACHE_SPACE: "1"}'
 VLLM_ARGS = '[--max-model-len, "256", --enforce-eager, --dtype, float32]'
+DRAIN_DELAY = DRAIN.default.delay  # solo's: the default
 FIGURES: dict[str, float] = {}  # printed at the end of the module (pytest -s shows them)
 
 
@@ -296,6 +311,31 @@ def test_at_boot_an_enabled_replica_serves_and_a_broken_file_is_named(cluster: C
         assert line in a.journal(*args), a.journal(*args)
     assert line in a.journal("-u", "llmgw-supervisor.service")
 
+    # a planned restart under load through HAProxy, with a stand-in replica on node-b
+    # beside it: not one request fails
+    with (behind_haproxy(cluster) as lb, LbSampler(lb, interval=0.25) as sampler,
+          Traffic(lb.url, clients=4, seconds=900, netns=lb.netns) as traffic):
+        time.sleep(3)  # both serve
+        asked = time.monotonic()
+        a.systemctl("restart", "llmgw-solo.target")
+        lb.wait_until_up("solo", timeout=300)
+        back = time.monotonic()
+        time.sleep(3)  # it serves again
+        traffic.finish()
+    out, _ = out_window(sampler.samples, "solo")
+    FIGURES["planned restart under load: requests failed"] = len(traffic.failed)
+    FIGURES["  out of rotation after the restart was asked"] = out - asked
+    FIGURES["  back in rotation after it was asked"] = back - asked
+    print(f"planned restart of solo under load: {summary(traffic.requests)}")
+    assert not traffic.failed, traffic.failed[:5]
+    assert asked < out < asked + DRAIN_DELAY + 5
+    assert in_rotation(sampler.samples, "standby", 0, float("inf")), sampler.samples
+    assert traffic.served_by(since=back).get("solo", 0) > 0, traffic.served_by(back)
+    step = a.journal("-u", "llmgw-solo-engine.service", "-o", "cat")
+    assert "llmgw-stop-group: solo: out of rotation: waiting for the gateways" in step, step
+    assert "mode=drain" in step, step  # vLLM drained (--shutdown-timeout)
+    assert "Failed with result 'timeout'" not in step
+
     # an edit: the spec, daemon-reload, a restart of the replica
     old = main_pid(a, "llmgw-solo-engine.service")
     cluster.spec("solo.yaml", solo_spec(", --served-model-name, edited"))
@@ -319,6 +359,64 @@ def test_at_boot_an_enabled_replica_serves_and_a_broken_file_is_named(cluster: C
     assert "node-marker" not in a.run("ls", f"/proc/{new}/root/tmp").stdout
     cluster.drop_spec("solo.yaml", "llmgw-solo.target")
     assert a.show("llmgw-solo-engine.service", "LoadState")["LoadState"] == "not-found"
+
+
+STANDBY_PORT = 8300
+STANDBY_SERVER = "/usr/local/lib/llmgw-test/completion_server.py"
+LB_ADDRESS = f"{SUBNET}.100"  # HAProxy's, on the bridge
+
+
+def standby_spec(address: str) -> str:
+    """A stand-in replica on node-b (tests/standins/completion_server.py, as a command
+    engine): somewhere for HAProxy to send the load while solo restarts."""
+    return f"""replicas:
+  - name: standby
+    engine: command
+    serving_rank: 0
+    port: {STANDBY_PORT}
+    progress: {{steps: [completion_steps_total], pending: [completion_running]}}
+    health: {{interval: 1, timeout: 1, stability: 1}}
+    nodes: [{{name: node-b, address: {address}}}]
+    ranks:
+      - commands:
+          - argv: [/usr/bin/python3, {STANDBY_SERVER}, --port, "{STANDBY_PORT}",
+                   --delay, "0.2"]
+"""
+
+
+@contextlib.contextmanager
+def behind_haproxy(cluster: Cluster) -> Iterator[HAProxy]:
+    """solo (node-a) and the standby (node-b) behind HAProxy in the bridge's namespace,
+    configured from docs/loadbalancer.md with its TLS line: a client certificate from
+    docs/tls.md's recipe, checking each node's supervisor on its TLS listener. Afterwards
+    HAProxy stopped by PID and the standby replica gone."""
+    a, b = cluster.nodes
+    b.write(STANDBY_SERVER, (STANDINS / "completion_server.py").read_text())
+    cluster.spec("standby.yaml", standby_spec(b.address))
+    b.systemctl("daemon-reload")
+    b.systemctl("start", "llmgw-standby.target")
+    lb: HAProxy | None = None
+    try:
+        wait_until(lambda: state_of(b, "standby") == "ready", 60, "the standby to be ready")
+        tls = cluster.scratch / "tls"
+        run_recipe(cluster.scratch, tls, "haproxy-1", LB_ADDRESS)
+        pem = cluster.scratch / "haproxy-client.pem"
+        pem.write_bytes((tls / "haproxy-1" / "node.crt").read_bytes()
+                        + (tls / "haproxy-1" / "node.key").read_bytes())
+        pem.chmod(0o600)
+        servers = [Server("solo", a.address, 8000, a.address, 9470, a.name),
+                   Server("standby", b.address, STANDBY_PORT, b.address, 9470, b.name)]
+        hub = bridge_address(hub_of(a.netns), LB_ADDRESS)
+        lb = HAProxy(cluster.scratch / "lb", servers, netns=hub,
+                     tls=TlsCheck(client_pem=pem, ca_crt=tls / "ca.crt")).start(timeout=30)
+        lb.wait_until_up("solo", timeout=30)
+        lb.wait_until_up("standby", timeout=30)
+        yield lb
+    finally:
+        if lb is not None:
+            lb.stop()
+            print("===== haproxy log\n" + lb.log()[-3000:])
+        cluster.drop_spec("standby.yaml", "llmgw-standby.target")
 
 
 def assert_sandboxed(node: Node, unit: str) -> None:
