@@ -50,10 +50,12 @@ API_PORT = 9471
 STALL_AFTER = 20
 CHECK = {"interval": 1, "timeout": 5}  # the generation check
 # Not ready over a failed completion once the fault is older than the check's interval
-# + timeout (the next check after the last success times out then), plus a second: the
-# fault's start is stamped before `systemctl kill` returns, and the judge and the peer's
-# long poll take their turns (a sample is stamped when its read began).
-NOTICE = CHECK["interval"] + CHECK["timeout"] + 1
+# + timeout (the next check after the last success times out then), plus three seconds:
+# the fault's start is stamped before `systemctl kill` returns (its SIGSTOP lands later),
+# then the judge and, for the other node, the peer's long poll take their turns, on two
+# cores that Ray and vLLM keep busy (a sample is stamped when its read began). With one
+# second, a Ray run saw a node still say ready 7.3 s after the freeze, once in two runs.
+NOTICE = CHECK["interval"] + CHECK["timeout"] + 3
 # two sequences at a time: six clients keep four waiting, and the check with them
 ARGS = ('[--max-model-len, "256", --enforce-eager, --dtype, float32, --max-num-seqs, "2"]')
 
