@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import sys
@@ -145,7 +146,9 @@ def main() -> None:
     args = parser.parse_args()
 
     def terminated(*_: object) -> None:
-        raise SystemExit(0)
+        # os._exit, not SystemExit: an exception raised inside threading's own locks
+        # (Thread.start waits on one) turned into "release unlocked lock", exit 1.
+        os._exit(0)
 
     signal.signal(signal.SIGTERM, terminated)
     host, port = args.listen
