@@ -423,10 +423,14 @@ Samples = Sequence[tuple[float, "frozenset[str] | None"]]
 
 
 def transitions(samples: Samples, server: str) -> list[tuple[float, bool]]:
-    """(time, in rotation) at the first sample and at each change for `server`."""
+    """(time, in rotation) at the first sample and at each change for `server`. A sample
+    the stats socket did not answer says nothing either way (on a loaded machine a read
+    can time out): skipped."""
     changes: list[tuple[float, bool]] = []
     for at, up in samples:
-        now = up is not None and server in up
+        if up is None:
+            continue
+        now = server in up
         if not changes or changes[-1][1] != now:
             changes.append((at, now))
     return changes
@@ -434,8 +438,17 @@ def transitions(samples: Samples, server: str) -> list[tuple[float, bool]]:
 
 def in_rotation(samples: Iterable[tuple[float, frozenset[str] | None]], server: str,
                 start: float, end: float) -> bool:
-    """Whether every sample between start and end had `server` in rotation."""
-    return all(up is not None and server in up for at, up in samples if start <= at <= end)
+    """Whether every answered sample between start and end had `server` in rotation (and
+    there was one): an unanswered read of the stats socket is no evidence either way."""
+    answered = [up for at, up in samples if start <= at <= end and up is not None]
+    return bool(answered) and all(server in up for up in answered)
+
+
+def not_in_rotation(samples: Iterable[tuple[float, frozenset[str] | None]], server: str
+                    ) -> list[tuple[float, frozenset[str] | None]]:
+    """The samples that did not have `server` in rotation (None: the read was not
+    answered), for an assertion's message."""
+    return [(round(at, 2), up) for at, up in samples if up is None or server not in up]
 
 
 def out_window(samples: Samples, server: str) -> tuple[float, float]:

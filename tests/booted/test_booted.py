@@ -38,6 +38,7 @@ from loadbalancer import (
     Traffic,
     bridge_address,
     in_rotation,
+    not_in_rotation,
     out_window,
     summary,
 )
@@ -329,7 +330,8 @@ def test_at_boot_an_enabled_replica_serves_and_a_broken_file_is_named(cluster: C
     print(f"planned restart of solo under load: {summary(traffic.requests)}")
     assert not traffic.failed, traffic.failed[:5]
     assert asked < out < asked + DRAIN_DELAY + 5
-    assert in_rotation(sampler.samples, "standby", 0, float("inf")), sampler.samples
+    assert in_rotation(sampler.samples, "standby", 0, float("inf")), \
+        not_in_rotation(sampler.samples, "standby")
     assert traffic.served_by(since=back).get("solo", 0) > 0, traffic.served_by(back)
     step = a.journal("-u", "llmgw-solo-engine.service", "-o", "cat")
     assert "llmgw-stop-group: solo: out of rotation: waiting for the gateways" in step, step

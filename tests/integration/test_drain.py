@@ -39,6 +39,7 @@ from loadbalancer import (
     Traffic,
     bridge_address,
     in_rotation,
+    not_in_rotation,
     out_window,
     summary,
 )
@@ -163,7 +164,8 @@ def test_planned_restart_leaves_rotation_first_and_fails_nothing(cluster: Cluste
     assert asked < out < term, (asked, out, term)  # HAProxy saw it first
     assert term - asked >= DELAY  # nothing signalled before the delay ran out
     assert came_back > term
-    assert in_rotation(sampler.samples, "b", 0, float("inf")), sampler.samples
+    assert in_rotation(sampler.samples, "b", 0, float("inf")), \
+        not_in_rotation(sampler.samples, "b")
     # the engine really restarted, and `a` served again afterwards
     assert int(node_a.show("llmgw-a-engine.service", "MainPID")["MainPID"]) != engine_pid
     assert traffic.served_by(since=back).get("a", 0) > 0, traffic.served_by(back)
@@ -205,7 +207,8 @@ def test_drain_and_resume_from_the_cli(cluster: Cluster) -> None:
     assert "asked by" in str(data), data
     assert asked < out < returned + SETTLE
     assert came_back > resumed
-    assert in_rotation(sampler.samples, "b", 0, float("inf")), sampler.samples
+    assert in_rotation(sampler.samples, "b", 0, float("inf")), \
+        not_in_rotation(sampler.samples, "b")
     # nothing new reached `a` while it was out, and nothing was stopped
     assert not [r for r in requests if r.server == "a" and out < r.started < resumed]
     assert traffic.served_by(since=back).get("a", 0) > 0, traffic.served_by(back)

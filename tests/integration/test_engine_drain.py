@@ -42,6 +42,7 @@ from loadbalancer import (
     Traffic,
     bridge_address,
     in_rotation,
+    not_in_rotation,
     out_window,
     summary,
 )
@@ -289,7 +290,8 @@ def test_restart_of_a_one_node_replica_fails_nothing(cluster: Cluster) -> None:
           f"+{out - restart.asked:.2f} s, back at +{came_back - restart.asked:.1f} s")
     assert not restart.failed, restart.failed[:5]
     assert out < restart.asked + DELAY + SETTLE
-    assert in_rotation(restart.samples, "standby", 0, float("inf")), restart.samples
+    assert in_rotation(restart.samples, "standby", 0, float("inf")), \
+        not_in_rotation(restart.samples, "standby")
     assert cluster.main_pid("node-a", "one") not in (0, old)
     assert restart.served_after_back("one") > 0, restart.last()
     # vLLM drained on SIGTERM (its --shutdown-timeout, from drain.timeout), and the stop
@@ -311,7 +313,8 @@ def test_planned_restart_of_the_worker_node_fails_nothing(cluster: Cluster) -> N
           f"said {cluster.step_lines('node-b', 'tp')}")
     assert not restart.failed, restart.failed[:5]
     assert out < restart.asked + DELAY + SETTLE
-    assert in_rotation(restart.samples, "standby", 0, float("inf")), restart.samples
+    assert in_rotation(restart.samples, "standby", 0, float("inf")), \
+        not_in_rotation(restart.samples, "standby")
     assert cluster.main_pid("node-b", "tp") not in (0, old)
     assert restart.served_after_back("tp") > 0, restart.last()
     # rank 1 waited for rank 0 to have nothing in flight, then went
@@ -345,7 +348,8 @@ def test_drain_wait_and_resume_fail_nothing_and_stop_nothing(cluster: Cluster) -
     assert not traffic.failed, traffic.failed[:5]
     assert asked < out < asked + DELAY + 1  # within the delay, and a sample's slack
     assert resumed < came_back < resumed + RISE + SETTLE
-    assert in_rotation(sampler.samples, "standby", 0, float("inf")), sampler.samples
+    assert in_rotation(sampler.samples, "standby", 0, float("inf")), \
+        not_in_rotation(sampler.samples, "standby")
     assert {node: cluster.main_pid(node, "tp") for node in ADDRESS} == pids
     assert not [r for r in requests if r.server == "tp" and out < r.started < resumed]
     assert traffic.served_by(since=back).get("tp", 0) > 0, traffic.served_by(back)
