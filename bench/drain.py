@@ -53,6 +53,7 @@ def restart_figures(restart: scenario.Disruption) -> dict[str, float]:
 def one_mode(nodes: Nodes, tmp: Path, mode: str, rounds: int) -> dict[str, list[dict[str, float]]]:
     delay, timeout = MODES[mode]
     figures: dict[str, list[dict[str, float]]] = {"one": [], "worker": [], "crash": []}
+    (tmp / mode).mkdir()
     with scenario.running(nodes, tmp / mode, delay, timeout) as cluster:
         for _ in range(rounds):
             cluster.serving("one")

@@ -245,6 +245,10 @@ def planned_restart(cluster: Cluster, node: str, replica: str) -> Disruption:
         asked = time.monotonic()
         cluster.nodes[node].systemctl("restart", f"llmgw-{replica}.target")
         returned = time.monotonic()
+        # the new engine serving first: with no drain, systemctl returns before HAProxy
+        # has even noticed that the old one went
+        wait_until(functools.partial(cluster.completes, replica), BACK,
+                   f"{replica} to complete again", interval=1)
         lb.wait_until_up(replica, timeout=BACK)
         back = time.monotonic()
         time.sleep(3)  # it serves again
