@@ -227,6 +227,12 @@ def freeze_worker(leader: UserManager, worker: UserManager, base: str,
     """Every process of the worker node's engine unit frozen (SIGSTOP, as a hung GPU
     leaves them): the group serves again with no hand, and neither supervisor says
     ready over a failed completion once the freeze is older than NOTICE."""
+    # Frozen from idle: a freeze right behind real work looks busy for stall_after
+    # (docs/supervisor.md, "Stalls"), and a fresh-clone run right after the saturation
+    # said ready 10.3 s into the freeze. Wait until the serving rank's supervisor has
+    # read the engine idle since.
+    wait_until(lambda: (sups[0].replica("tiny").get("progress") or {}).get("verdict")
+               == "idle", 120, "the engine to be read idle", interval=0.25)
     samplers = [said_by(s) for s in sups]
     with samplers[0], samplers[1], Completions(leader, base) as answers:
         frozen = time.monotonic()

@@ -170,8 +170,15 @@ def main() -> None:
         finally:
             live.release()
 
+    # Python runs a signal's handler in the main thread only: a SIGTERM the kernel hands
+    # to a connection's thread leaves a main thread blocked in accept() unaware (a CI run
+    # waited 5 s for it to exit). Waking every half second, it runs the handler.
+    server.settimeout(0.5)
     while True:
-        conn, address = server.accept()
+        try:
+            conn, address = server.accept()
+        except TimeoutError:
+            continue
         if not live.acquire(blocking=False):
             conn.close()
             continue
