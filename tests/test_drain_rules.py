@@ -260,6 +260,18 @@ STEPS = [
     # a stop passed on from a dead member: the replica is no longer routable
     Step("no drain, not routable (a failure): go at once",
          StopView(routable=False, stopping=None, phase=None), 0, True, "nothing to drain"),
+    Step("no drain, not routable, no job on the target: go at once",
+         StopView(routable=False, stopping=None, phase=None), 0, True, "nothing to drain",
+         serving=False, target_job=""),
+    # not routable in a view that has not seen systemd's own stop job yet: perhaps a blip
+    # (a late peer report); a worker leaving on it breaks rank 0's requests in flight
+    Step("no drain, not routable, a restart job on the target: wait for the supervisor",
+         StopView(routable=False, stopping=None, phase=None), NOTICE / 2, False,
+         "waiting for the supervisor to see this stop", serving=False,
+         target_job="restart"),
+    Step("no drain, not routable, a stop job, past NOTICE: go",
+         StopView(routable=False, stopping=None, phase=None), NOTICE, True,
+         "nothing to drain", serving=False, target_job="stop"),
     # routable and no drain: the supervisor may not have seen the stop yet
     Step("no drain, routable, before NOTICE: wait", WATCHING, NOTICE / 2, False,
          "waiting for the supervisor to see this stop"),

@@ -233,7 +233,9 @@ def drain_first(args: argparse.Namespace) -> float:
     while True:
         elapsed = time.monotonic() - started
         view = ask_supervisor(args.supervisor, args.drain) if main_alive else None
-        if view is None and main_alive and job is None and args.target is not None:
+        unseen = view is None or (view.phase is None and view.stopping is None
+                                  and not view.routable)
+        if unseen and main_alive and job is None and args.target is not None:
             job = target_job(args.target, user=args.user)  # once: systemd's own word
         decision = step(view, time.monotonic() - started, args.drain_delay,
                         args.drain_timeout, serving=args.serving, main_alive=main_alive,
@@ -249,7 +251,7 @@ def drain_first(args: argparse.Namespace) -> float:
 def target_job(target: str, *, user: bool) -> str | None:
     """The type of the job systemd has queued on the target ("" for none), from
     `systemctl list-jobs`; None when systemctl does not answer within a second."""
-    import subprocess  # only when no supervisor answers
+    import subprocess  # only when the supervisor cannot say whether the stop is planned
 
     argv = ["systemctl", *(["--user"] if user else []), "list-jobs", "--no-legend",
             "--plain", "--no-pager", target]
