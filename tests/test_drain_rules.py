@@ -154,6 +154,16 @@ PROGRESSES = [
     # the replica was out of rotation when the drain began: nothing can be in flight
     Progress("not served: drained at once", 0, DRAINED, "was not in rotation",
              served=False, in_flight=0),
+    # a worker's node that saw the replica out of rotation follows the serving rank's
+    # node, which says it is draining: its own view may have missed it in rotation
+    Progress("not served here, the serving rank draining: wait for it", 6, DRAINING,
+             "waiting for the serving rank", served=False, serving_here=False,
+             serving_drained=False),
+    Progress("not served here, the serving rank drained: drained", 6, DRAINED,
+             "was not in rotation", served=False, serving_here=False,
+             serving_drained=True, in_flight=0),
+    Progress("not served here, no serving rank reports: drained at once", 0, DRAINED,
+             "was not in rotation", served=False, serving_here=False, in_flight=0),
     # the gateways need the delay to take it out of rotation: no count matters yet
     Progress("within the delay: draining", 3, DRAINING, "out of rotation for 3 s of 5 s",
              pending=0, pending_at=2, in_flight=0),

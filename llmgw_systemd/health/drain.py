@@ -117,7 +117,10 @@ def progress(drain: Drain, now: float, delay: float, timeout: float, *,
     if drain.finished is not None:
         return drain.finished
     waited = now - drain.since
-    if not drain.served:
+    # A worker's node follows the serving rank's node when it reports: only that node
+    # knows whether requests are in flight, and a worker's own view may have missed
+    # the replica in rotation (a late peer report on a loaded node).
+    if not drain.served and (serving_here or serving_drained is not False):
         return DrainProgress(DRAINED, "was not in rotation: nothing in flight", in_flight=0)
     if waited < delay:
         return DrainProgress(DRAINING, f"out of rotation for {waited:.0f} s of {delay:g} s "
