@@ -116,7 +116,13 @@ def assert_truthful(said: list[tuple[float, str]], answers: list[tuple[float, fl
     ready = [t for t, state in said if state == "ready" and t > since + notice]
     for t in ready:
         overlapping = [(s, e) for s, e in failures if s - 0.5 <= t <= e]
-        assert not overlapping, f"said ready at {t - since:.1f} s while completions failed"
+        near_said = [(round(u - since, 1), st) for u, st in said if abs(u - t) < 10]
+        near = [(round(a - since, 1), round(b - since, 1), c) for a, b, c in answers
+                if abs(a - t) < 10]
+        assert not overlapping, (
+            f"said ready at {t - since:.1f} s while completions failed: "
+            f"{[(round(s - since, 1), round(e - since, 1)) for s, e in overlapping]}; "
+            f"said {near_said}; answers {near}")
     assert ready, "never ready again"
 
 
