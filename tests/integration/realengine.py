@@ -78,6 +78,12 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def ray_pids(*managers: UserManager) -> dict[int, str]:
+    """Ray's processes among the managers' units, with their command lines."""
+    return {pid: cmdline(pid) for m in managers for pid in manager_pids(m)
+            if "ray" in cmdline(pid)}
+
+
 class Completions:
     """Sends a completion every `interval` seconds in the background and keeps
     (start time, status) of each, so a test can line them up with what the supervisor

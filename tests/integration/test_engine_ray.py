@@ -17,10 +17,10 @@ from realengine import (
     QUICK_STOP,
     VENV,
     assert_engines,
-    cmdline,
     complete,
     env_yaml,
     manager_pids,
+    ray_pids,
 )
 from specs import free_port, write
 from systemd_harness import Nodes, UserManager, port_is_free
@@ -66,11 +66,6 @@ def ray_replica(two_nodes: Nodes, tmp_path: Path
     leader.render(spec, "node-a")
     worker.render(spec, "node-b")
     yield leader, worker, f"http://192.0.2.1:{http}", head
-
-
-def ray_pids(*managers: UserManager) -> dict[int, str]:
-    return {pid: cmdline(pid) for m in managers for pid in manager_pids(m)
-            if "ray" in cmdline(pid)}
 
 
 def assert_stopped(leader: UserManager, worker: UserManager, head: int) -> None:

@@ -47,6 +47,7 @@ from realengine import (
     complete,
     env_yaml,
     manager_pids,
+    ray_pids,
 )
 from specs import free_port, write
 from supervisors import ApiReader, Sampler, SupervisorProcess
@@ -313,10 +314,6 @@ def test_mp_busy_frozen_cut_killed_and_a_lone_rank_0_stop(mp_replica: Replica) -
     leader.systemctl("start", TARGET)
     wait_until(lambda: complete(leader, base) == 200, 300, "completions again", interval=1)
     sups[0].wait_state("tiny", "ready", 60)
-
-
-def ray_pids(manager: UserManager) -> dict[int, str]:
-    return {pid: cmdline(pid) for pid in manager_pids(manager) if "ray" in cmdline(pid)}
 
 
 def test_ray_lost_raylet_frozen_worker_node_and_a_cut(ray_replica: Replica) -> None:
