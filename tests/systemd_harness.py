@@ -29,6 +29,12 @@ HERE = Path(__file__).parent
 USER_MANAGER = HERE / "harness" / "user-manager"
 STANDINS = HERE / "standins"
 CGROUP_ROOTS = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]
+# The niceness of the workload under test: the units we render, a booted node. scripts/test
+# raises it in the lane where the real vLLM keeps both cores busy, so that what watches the
+# engines (the supervisors, the test's clients and samplers) keeps its CPU, as on a real
+# node where the engine works on GPUs. A supervisor starved as much as its engine took
+# seconds to answer and timed out its own probes.
+WORKLOAD_NICE = int(os.environ.get("LLMGW_TEST_WORKLOAD_NICE", "0"))
 T = TypeVar("T")
 S = TypeVar("S", bound="Sampler[Any]")
 
@@ -299,7 +305,8 @@ class UserManager:
         dropin = self.unit_dir / "llmgw-.service.d"
         dropin.mkdir(parents=True, exist_ok=True)
         (dropin / "50-test-logs.conf").write_text(
-            f"[Service]\nStandardOutput=append:{self.log_dir}/%n.log\nStandardError=inherit\n")
+            f"[Service]\nStandardOutput=append:{self.log_dir}/%n.log\nStandardError=inherit\n"
+            + (f"Nice={WORKLOAD_NICE}\n" if WORKLOAD_NICE else ""))
 
     def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(["systemctl", "--user", "--no-pager", *args],

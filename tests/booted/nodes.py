@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from debianroot import CACHE, derived_root, overlay, sh
-from systemd_harness import HarnessError, wait_until
+from systemd_harness import WORKLOAD_NICE, HarnessError, wait_until
 
 HERE = Path(__file__).resolve().parent
 BOOT_NODE = HERE.parent / "harness" / "boot-node"
@@ -175,6 +175,8 @@ class Node:
                 f"--network-namespace-path=/run/netns/{self.netns}",
                 "--console=read-only", "--resolv-conf=off", "--timezone=off",
                 "--link-journal=no", *(f"--bind-ro={p}" for p in self.binds)]
+        if WORKLOAD_NICE:
+            argv = ["/usr/bin/nice", "-n", str(WORKLOAD_NICE), *argv]  # execs: same PID
         console = self.console.open("ab")
         self.boots += 1
         console.write(f"\n===== boot {self.boots} =====\n".encode())

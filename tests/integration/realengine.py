@@ -119,7 +119,7 @@ def assert_truthful(said: list[tuple[float, str]], answers: list[tuple[float, fl
     fault), and it said ready again only when completions worked."""
     failures = [(start, end) for start, end, status in answers if start > since and status != 200]
     assert failures, "the fault never showed in completions"
-    ready = [t for t, state in said if state == "ready" and t > since + notice]
+    ready = [t for t, state in said if state.startswith("ready") and t > since + notice]
     for t in ready:
         overlapping = [(s, e) for s, e in failures if s - 0.5 <= t <= e]
         near_said = [(round(u - since, 1), st) for u, st in said if abs(u - t) < 10]

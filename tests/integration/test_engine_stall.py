@@ -168,10 +168,13 @@ def main_pid(manager: UserManager) -> int:
 
 
 def said_by(sup: SupervisorProcess) -> Sampler:
-    """Samples of what one supervisor says: its state, '+busy' when it says busy."""
+    """Samples of what one supervisor says: its state, '+busy' when it says busy, and
+    its reason when it is not ready (an assertion then says why)."""
     def read() -> str:
         data = sup.replica("tiny")
-        return f"{data['state']}{'+busy' if data.get('busy') else ''}"
+        if data["state"] != "ready":
+            return f"{data['state']}: {data.get('reason', '')}"
+        return f"ready{'+busy' if data.get('busy') else ''}"
     return Sampler(read, 0.25)
 
 
