@@ -251,6 +251,19 @@ def test_a_peer_says_whether_it_drains(serve: Callable[..., Server], fields: dic
     assert (shard.draining, shard.drained) == (draining, drained)
 
 
+@pytest.mark.parametrize(("fields", "loaded", "running"), [
+    ({}, "", ""),  # a peer of an earlier version says nothing of versions
+    ({"spec": {"loaded": "ab" * 8, "running": "cd" * 8}}, "ab" * 8, "cd" * 8),
+    ({"spec": {"loaded": "ab" * 8, "running": ""}}, "ab" * 8, ""),  # not running
+])
+def test_a_peer_says_which_spec_versions_its_rank_has(
+        serve: Callable[..., Server], fields: dict[str, Any], loaded: str, running: str
+) -> None:
+    server = serve(answer({**REPORT, "shards": [{**SHARD, **fields}]}))
+    shard = fetch(server).shards[0]
+    assert (shard.loaded_digest, shard.running_digest) == (loaded, running)
+
+
 @pytest.mark.parametrize(("clock", "started", "up_for"), [
     (1000, 958, 42), (1000, 1000, 0),
     (1000, None, None),  # its engine is not running
@@ -485,7 +498,12 @@ MALFORMED = [
      "shards: expected at most 1000 shards; got 1001"),
     ("shard not an object", {**REPORT, "shards": [SHARD, 3]},
      "shards[1]: expected a mapping with keys replica, rank, node, state, reason, generation, "
-     "serving, started, draining, drained; got a number (3)"),
+     "serving, started, draining, drained, spec; got a number (3)"),
+    ("spec not a mapping", {**REPORT, "shards": [{**SHARD, "spec": "new"}]},
+     "shards[0].spec: expected a mapping with keys loaded, running"),
+    ("a spec digest not a digest", {**REPORT, "shards": [
+        {**SHARD, "spec": {"loaded": "x" * 16, "running": ""}}]},
+     "shards[0].spec.loaded: expected a spec digest (16 lowercase hex digits)"),
     ("draining not a string", {**REPORT, "shards": [{**SHARD, "draining": 7}]},
      "shards[0].draining: expected why that node drains the replica"),
     ("drained not a boolean", {**REPORT, "shards": [{**SHARD, "drained": "yes"}]},

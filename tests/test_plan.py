@@ -176,3 +176,37 @@ def test_the_planner_says_when_a_replica_runs_as_root_or_unsandboxed(
         want in note for want, note in zip(notes, plan.notes)), plan.notes
     sandboxed = all(s.sandbox for s in plan.services)
     assert sandboxed == (manager is SYSTEM and "hardening" not in body)
+
+
+MP = f"engine: vllm\nlaunch_mode: mp\nmodel: /m\n{TWO_NODES}"
+
+
+@pytest.mark.parametrize(("what", "before", "after", "same"), [
+    ("nothing changed", MP, MP, True),
+    ("enable: starts it at boot, no unit of a rank changes", MP, f"{MP}\nenable: true", True),
+    ("a variable (every rank's engine gets it)", MP, f"{MP}\nenv: {{X: '1'}}", False),
+    ("another node's own variable changes this rank's version too", MP,
+     MP.replace("10.0.0.2}", "10.0.0.2, env: {Y: '2'}}"), False),
+    ("the engine's arguments", MP, f"{MP}\nargs: [--max-model-len, '512']", False),
+    ("the drain (it is in the engine's ExecStop=)", MP, f"{MP}\ndrain: {{delay: 3}}", False),
+    ("the health check: judged by the supervisor only", MP,
+     f"{MP}\nhealth: {{timeout: 5}}", True),
+])
+def test_the_spec_digest_is_the_replicas_version_on_every_node(
+        what: str, before: str, after: str, same: bool) -> None:
+    """One digest for every rank, carried by every member; it changes exactly when
+    some rank's units would."""
+    old = [plan_shard(replica(before), rank, SYSTEM) for rank in (0, 1)]
+    new = [plan_shard(replica(after), rank, SYSTEM) for rank in (0, 1)]
+    for plans in (old, new):
+        assert len({p.spec_digest for p in plans}) == 1, what
+        for plan in plans:
+            for service in plan.services:
+                assert dict(service.environment)["LLMGW_SPEC_DIGEST"] == plan.spec_digest
+    assert (old[0].spec_digest == new[0].spec_digest) == same, what
+
+
+def test_the_spec_digest_does_not_depend_on_where_the_helpers_are() -> None:
+    elsewhere = Manager(user=False, wait_for_port="/usr/local/bin/llmgw-wait-for-port")
+    assert (plan_shard(replica(MP), 0, SYSTEM).spec_digest
+            == plan_shard(replica(MP), 0, elsewhere).spec_digest)

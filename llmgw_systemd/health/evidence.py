@@ -24,10 +24,18 @@ class LocalEvidence:
     target: UnitState
     members: tuple[UnitState, ...]  # sidecars, then the engine
     read_at: float
+    # the spec version the engine started with (its supervisor's record of this start,
+    # versions.py); "" when not running or never seen starting
+    running_digest: str = ""
 
     @property
     def generation(self) -> str:
         return self.members[-1].invocation_id if self.members else ""
+
+    @property
+    def loaded_digest(self) -> str:
+        """The spec version the engine's unit carries now (its next start runs it)."""
+        return self.members[-1].spec_digest if self.members else ""
 
     @property
     def engine_since(self) -> float | None:
@@ -64,6 +72,9 @@ class PeerShard:
     up_for: int | None = None
     draining: str | None = None  # why that node drains the replica (health/drain.py)
     drained: bool = False  # the serving rank's node: nothing in flight any more
+    # its spec versions (versions.py): what its units carry, what its engine started with
+    loaded_digest: str = ""
+    running_digest: str = ""
 
 
 @dataclass(frozen=True)

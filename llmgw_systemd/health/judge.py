@@ -68,6 +68,7 @@ from llmgw_systemd.health.rules import (
     replica_health,
     shard_health,
 )
+from llmgw_systemd.health.versions import RankVersion, mixed, must_rejoin, staged_line
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,12 @@ class Verdict:
     routable: bool = False  # a gateway should send it new requests
     drain: DrainProgress | None = None  # where a drain in progress stands
     stopping: Stopping | None = None  # this node's target: a planned stop, our restart
+    versions: tuple[RankVersion, ...] = ()  # each rank's spec versions (versions.py)
+
+    @property
+    def staged(self) -> str:
+        """`staged: N of M nodes` while ranks wait for the group restart, else ""."""
+        return staged_line(self.versions)
 
     @property
     def settled(self) -> bool:
@@ -272,13 +279,14 @@ def refused(policy: ReplicaPolicy, seen: PeerEvidence) -> tuple[str, ...]:
 
 
 def peer_rank(policy: ReplicaPolicy, rank: int, seen: PeerEvidence | None,
-              now: float) -> tuple[RankReport, str, float | None]:
+              now: float) -> tuple[RankReport, str, float | None, RankVersion]:
     """Another node's rank, from that node's own supervisor only: its report, its
-    generation, and when its engine started (on this node's clock, to the second)."""
+    generation, when its engine started (on this node's clock, to the second), and its
+    spec versions."""
     node = policy.nodes[rank]
 
-    def unknown(why: str) -> tuple[RankReport, str, float | None]:
-        return RankReport(rank, node, UNKNOWN, why), "", None
+    def unknown(why: str) -> tuple[RankReport, str, float | None, RankVersion]:
+        return RankReport(rank, node, UNKNOWN, why), "", None, RankVersion(rank, node)
 
     if seen is None:
         return unknown(f"no report yet from the supervisor on {node}")
@@ -295,7 +303,8 @@ def peer_rank(policy: ReplicaPolicy, rank: int, seen: PeerEvidence | None,
     last = found[-1]
     started = None if last.up_for is None else seen.received_at - last.up_for
     return (RankReport(rank, node, last.state, last.reason, draining=last.draining,
-                       drained=last.drained), last.generation, started)
+                       drained=last.drained), last.generation, started,
+            RankVersion(rank, node, last.loaded_digest, last.running_digest))
 
 
 def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
@@ -311,30 +320,42 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
                                                 now, completion, progress, requests)
     reports = [mine]
     generations = {policy.rank: generation}
+    versions = [RankVersion(policy.rank, policy.nodes[policy.rank],
+                            local.loaded_digest if local is not None else "",
+                            local.running_digest if local is not None else "")]
     leader_started: float | None = None
     for rank, node in enumerate(policy.nodes):
         if rank == policy.rank:
             continue
-        report, gen, started = peer_rank(policy, rank, peers.get(node), now)
+        report, gen, started, version = peer_rank(policy, rank, peers.get(node), now)
         reports.append(report)
+        versions.append(version)
         if report.state != UNKNOWN:
             generations[rank] = gen
             if rank == 0:
                 leader_started = started
     reports.sort(key=lambda r: r.rank)
+    versions.sort(key=lambda v: v.rank)
     health = replica_health(reports, len(policy.nodes))
+    apart = mixed(versions)
+    if apart and health.state not in (FAILED, STOPPED):
+        # one group, two versions (a staged rank died and came back on its new units,
+        # or the last node restarted first): never in rotation like that
+        health = Health(DEGRADED, apart)
     if live is not None and live.verdict == BUSY and health.state == READY:
         # ready, and why a gateway sees slow answers: docs/supervisor.md, "Busy"
         health = Health(READY, f"{health.reason}; busy: {live.reason}")
     gens = tuple(sorted(generations.items()))
-    verdict = Verdict(memory, health, tuple(reports), gens, liveness=live)
+    verdict = Verdict(memory, health, tuple(reports), gens, liveness=live,
+                      versions=tuple(versions))
     # a member past its start limit starts no more until an operator says so
     # (reset-failed): a group restart here would spend the budget and start nothing
     held = local is not None and any(u.active_state == "failed" and u.result == START_LIMIT
                                      for u in local.members)
     verdict = _group_restart(policy, verdict, now,
                              engine_since=local.engine_since if local else None,
-                             leader_started=leader_started, start_limited=held)
+                             leader_started=leader_started, start_limited=held,
+                             rejoin=must_rejoin(versions, policy.rank))
     own = stopping(local.target.job_type, verdict.memory.restart_pending is not None) \
         if local is not None else None
     return _drain(policy, replace(verdict, stopping=own), now, progress)
@@ -380,7 +401,7 @@ def _drain(policy: ReplicaPolicy, verdict: Verdict, now: float,
 def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                    engine_since: float | None = None,
                    leader_started: float | None = None,
-                   start_limited: bool = False) -> Verdict:
+                   start_limited: bool = False, rejoin: str = "") -> Verdict:
     memory, health, reports = verdict.memory, verdict.health, verdict.ranks
     generations = dict(verdict.generations)
     pending = memory.restart_pending
@@ -415,7 +436,7 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
     failed = [r.rank for r in reports if r.state == FAILED]
     if restarted and not failed and len(restarted) == len(policy.nodes):
         restarted = []  # every rank started afresh (or the only one did): nothing stale
-    if not restarted and not failed and not leader_gone and not leader_new:
+    if not restarted and not failed and not leader_gone and not leader_new and not rejoin:
         if health.state == READY:
             memory = replace(memory, failing_since=None)
             if memory.baseline is None:
@@ -432,7 +453,8 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                          "again to wait for a new one"] if leader_gone else []),
                       *([f"rank 0 on {policy.nodes[0]} started again {rejoin_gap:.0f} s after "
                          "this rank did; this rank must start again to join it"]
-                        if leader_new else [])])
+                        if leader_new else []),
+                      *([rejoin] if rejoin else [])])
     if start_limited:
         return replace(verdict, memory=replace(memory, failing_since=None),
                        health=Health(FAILED, f"{died}; no group restart: this node's shard "

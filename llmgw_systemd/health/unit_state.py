@@ -22,6 +22,9 @@ class UnitState:
     state_change_usec: int = 0  # when its state last changed (monotonic)
     invocation_id: str = ""  # hex; new on every start of the unit ("" before the first)
     job_type: str = ""  # the job queued or running on it (stop, restart, ...), "" for none
+    # the spec version its unit file carries as systemd holds it (a service's
+    # Environment=, units/plan.py spec_digest; "" for none)
+    spec_digest: str = ""
 
     @property
     def is_active(self) -> bool:

@@ -54,7 +54,12 @@ from llmgw_systemd.supervisor.probes import (
 )
 from llmgw_systemd.supervisor.rate_limited_log import RateLimitedLog
 from llmgw_systemd.supervisor.shard_reader import LocalShard, local_shards
-from llmgw_systemd.supervisor.state_file import load_restarts, save_restarts
+from llmgw_systemd.supervisor.state_file import (
+    load_restarts,
+    load_versions,
+    save_restarts,
+    save_versions,
+)
 from llmgw_systemd.supervisor.systemd_bus import SystemdBus
 from llmgw_systemd.supervisor.tls import TlsFiles, client_context, names_node, server_context
 
@@ -95,6 +100,8 @@ def is_loopback(host: str) -> bool:
 
 
 HEALTH, GENERATION, PROGRESS = "health", "generation", "progress"
+# an engine unit in these states has a process of its current start
+RUNNING = frozenset({"active", "activating", "deactivating", "reloading"})
 KINDS = (HEALTH, GENERATION, PROGRESS)
 # One replica's published part: (its shard report, its /v1/replicas body, what its
 # /ready says, its figures for the metrics)
@@ -248,6 +255,10 @@ class Supervisor:
         self.last_full = 0.0
         self.heartbeat = time.monotonic()
         self.saved_restarts: dict[str, tuple[float, ...]] = {}
+        # engine InvocationID -> the spec version its start began with (versions.py),
+        # recorded at the first sight of each start; persisted, pruned to live starts
+        self.started_with: dict[str, str] = {}
+        self.saved_started_with: dict[str, str] = {}
         self.probers: dict[tuple[str, str], Prober] = {}
         self.fetchers: dict[tuple[str, str], PeerFetcher] = {}
         self.changes = Changes()
@@ -456,6 +467,10 @@ class Supervisor:
         self.saved_restarts, warning = load_restarts(self.config.state_dir)
         if warning:
             log(warning)
+        self.started_with, warning = load_versions(self.config.state_dir)
+        self.saved_started_with = dict(self.started_with)
+        if warning:
+            log(warning)
         self.load_spec()
         self.load_requests()
         self._start_http()
@@ -572,7 +587,9 @@ class Supervisor:
         read_at = time.monotonic()
         evidence = {s.replica.name: LocalEvidence(states[s.plan.target.name],
                                                   tuple(states[m] for m in s.members),
-                                                  read_at) for s in shards}
+                                                  read_at,
+                                                  self._running_digest(states[s.members[-1]]))
+                    for s in shards}
         with self.lock:
             changed = [name for name, e in evidence.items()
                        if name in self.local and self.local[name].generation != e.generation]
@@ -582,6 +599,30 @@ class Supervisor:
                 prober = self.probers.get((name, kind))
                 if prober is not None:
                     prober.poke.set()
+
+    def _running_digest(self, engine: UnitState) -> str:
+        """The spec version this start of the engine began with: what its unit carried
+        at the first sight of the start (a later daemon-reload does not change it)."""
+        if not engine.invocation_id or engine.active_state not in RUNNING:
+            return ""
+        if engine.invocation_id not in self.started_with and engine.spec_digest:
+            self.started_with[engine.invocation_id] = engine.spec_digest
+        return self.started_with.get(engine.invocation_id, "")
+
+    def _save_versions(self) -> None:
+        """Persist the starts still running, when that record changed."""
+        with self.lock:
+            live = {e.members[-1].invocation_id for e in self.local.values() if e.members}
+        record = {k: v for k, v in self.started_with.items() if k in live}
+        self.started_with = record
+        if record == self.saved_started_with:
+            return
+        try:
+            save_versions(self.config.state_dir, record)
+        except StateError as exc:
+            self.limited_log("state", f"{exc}")
+            return
+        self.saved_started_with = record
 
     def _judge_and_publish(self, now: float, only: set[str] | None = None) -> None:
         """Judge every replica (or `only` these: the fast first look after a signal, so
@@ -614,6 +655,7 @@ class Supervisor:
                 except BusError as exc:
                     log(f"{name}: restart of {target} failed: {exc}")
         self._save_restarts()
+        self._save_versions()
         self._publish(local, now, only)
 
     def _count_drain(self, policy: ReplicaPolicy, before: Verdict | None, verdict: Verdict,
@@ -649,6 +691,10 @@ class Supervisor:
             # a drain (health/drain.py): why this node drains the replica, and (the
             # serving rank's node) whether nothing is in flight any more
             "draining": mine.draining, "drained": mine.drained,
+            # its spec versions (health/versions.py): what its units carry, what its
+            # engine started with ("" where not known)
+            "spec": {"loaded": evidence.loaded_digest if evidence else "",
+                     "running": evidence.running_digest if evidence else ""},
             "units": {u.name: {"active": u.active_state, "sub": u.sub_state,
                                "result": u.result, "restarts": u.n_restarts}
                       for u in units},
@@ -658,7 +704,10 @@ class Supervisor:
         body = api.encode({
             "name": name, "state": verdict.health.state, "reason": verdict.health.reason,
             "ranks": [{"rank": r.rank, "node": r.node, "state": r.state,
-                       "reason": r.reason} for r in verdict.ranks],
+                       "reason": r.reason, "spec": {"loaded": v.loaded, "running": v.running}}
+                      for r, v in zip(verdict.ranks, verdict.versions)],
+            # "staged: N of M nodes" while ranks wait for the replica's group restart
+            "staged": verdict.staged,
             "group_restarts": recent, "next_restart": verdict.next_restart,
             "settled": verdict.settled,
             # whether a gateway should send it new requests (GET .../ready says the same)

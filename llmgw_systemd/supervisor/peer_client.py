@@ -40,6 +40,7 @@ from llmgw_systemd.health.rules import RANK_STATES
 from llmgw_systemd.spec.document import KeyPath, format_path
 from llmgw_systemd.spec.names import is_node_name, is_replica_name
 from llmgw_systemd.spec.reader import Reader
+from llmgw_systemd.units.plan import DIGEST_HEX, is_digest
 
 SHARDS_PATH = "/v1/shards"
 USER_AGENT = "llmgw-supervisor"
@@ -321,7 +322,7 @@ _VERSION_MAX = 2**63 - 1
 _RANK_MAX = 2**31 - 1
 _ANSWER_KEYS = ("node", "version", "shards")
 _SHARD_KEYS = ("replica", "rank", "node", "state", "reason", "generation", "serving")
-_OPTIONAL_SHARD_KEYS = ("started", "draining", "drained")
+_OPTIONAL_SHARD_KEYS = ("started", "draining", "drained", "spec")
 _CLOCK_MAX = 2**53  # seconds; JSON numbers beyond are not exact
 
 
@@ -364,7 +365,22 @@ def _shard(wire: Reader, value: Any, path: KeyPath, clock: int | None) -> ShardR
             max_len=MAX_REASON),
         drained=shard.get("drained") is not None and wire.boolean(
             shard["drained"], at("drained"), "whether the serving rank is drained"),
+        **_versions(wire, shard.get("spec"), at("spec")),
     )
+
+
+def _versions(wire: Reader, value: Any, path: KeyPath) -> dict[str, str]:
+    """A shard's spec versions (health/versions.py); absent from a peer of an earlier
+    version: not known."""
+    if value is None:
+        return {}
+    spec = wire.mapping(value, path, ("loaded", "running"), ("loaded", "running"),
+                        others=True)
+    return {f"{key}_digest": wire.matching(spec[key], (*path, key),
+                                           lambda text: not text or is_digest(text),
+                                           f"a spec digest ({DIGEST_HEX} lowercase hex digits)",
+                                           empty=True)
+            for key in ("loaded", "running")}
 
 
 def _up_for(wire: Reader, started: Any, clock: int | None, path: KeyPath) -> int | None:

@@ -1,6 +1,10 @@
-"""The supervisor's one piece of durable state: when it last restarted each replica's
-shard as part of a group restart. The budget and backoff depend on it, so neither a
-crash nor a restart of the supervisor may reset them (docs/supervisor.md, "State").
+"""The supervisor's durable state (docs/supervisor.md, "State"):
+- when it last restarted each replica's shard as part of a group restart: the budget
+  and backoff depend on it, so neither a crash nor a restart of the supervisor may
+  reset them;
+- which spec version each engine start began with (health/versions.py): a daemon-reload
+  changes what systemd says of a unit, never what its running process was started
+  with, so a supervisor restarted in the middle of a roll must not forget it.
 
 Stored as JSON in the state directory (systemd's StateDirectory=), written atomically
 (temporary file, fsync, rename, fsync of the directory). Times are wall-clock seconds,
@@ -59,6 +63,39 @@ def save_restarts(directory: str, restarts: Mapping[str, tuple[float, ...]]) -> 
     except OSError as exc:
         raise StateError(f"cannot write {state_path(directory)}: {exc.strerror or exc}"
                          ) from None
+
+
+VERSIONS_FILE = "spec-versions.json"
+MAX_VERSIONS = 10_000  # engine starts remembered; far more than the shards of a node
+
+
+def load_versions(directory: str) -> tuple[dict[str, str], str]:
+    """The spec version each recorded engine start began with (InvocationID -> digest),
+    and a warning ("" if none); an unreadable file is reported and treated as empty."""
+    path = os.path.join(directory, VERSIONS_FILE)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except FileNotFoundError:
+        return {}, ""
+    except (OSError, ValueError) as exc:
+        return {}, f"cannot read {path}, starting with no recorded spec versions: {exc}"
+    starts = data.get("starts") if isinstance(data, dict) else None
+    if not isinstance(starts, dict) or data.get("format") != FORMAT:
+        return {}, f"{path}: not a format {FORMAT} state file; ignored"
+    return {k: v for k, v in list(starts.items())[-MAX_VERSIONS:]
+            if isinstance(k, str) and isinstance(v, str)}, ""
+
+
+def save_versions(directory: str, starts: Mapping[str, str]) -> None:
+    """Replace the record atomically (the caller keeps only the starts still running)."""
+    body = json.dumps({"format": FORMAT, "starts": dict(sorted(starts.items()))},
+                      indent=1).encode()
+    try:
+        write_atomically(directory, VERSIONS_FILE, body)
+    except OSError as exc:
+        raise StateError(f"cannot write {os.path.join(directory, VERSIONS_FILE)}: "
+                         f"{exc.strerror or exc}") from None
 
 
 def write_atomically(directory: str, name: str, body: bytes, *, dir_mode: int = 0o700,

@@ -27,6 +27,7 @@ from typing import Any
 
 from llmgw_systemd.errors import BusError
 from llmgw_systemd.health.unit_state import UnitState, missing
+from llmgw_systemd.units.plan import digest_in
 
 SYSTEMD = "org.freedesktop.systemd1"
 MANAGER_PATH = "/org/freedesktop/systemd1"
@@ -166,6 +167,7 @@ class SystemdBus:
                 state_change_usec=int(unit.get("StateChangeTimestampMonotonic", 0)),
                 invocation_id=bytes(unit.get("InvocationID") or b"").hex(),
                 job_type=job_type,
+                spec_digest=digest_in(service.get("Environment") or ()),
             )
         if properties:
             with self._lock:

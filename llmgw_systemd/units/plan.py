@@ -19,7 +19,10 @@ starts the target again. Measured under a real systemd by tests/integration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
 
 from llmgw_systemd.errors import NoShard
 from llmgw_systemd.spec.common_keys import (
@@ -44,6 +47,10 @@ SLEEP = "/usr/bin/sleep"  # coreutils, at this path on Debian and RHEL alike
 START_TIMEOUT_MARGIN = 30
 UNSERVED_GRACE = 5  # seconds of SIGTERM for a serving rank that does not answer /health
 SUPERVISOR_UNIT = "llmgw-supervisor.service"  # packaging/systemd
+# Every member service carries the digest of the replica's units (spec_digest): the
+# version of the spec a rank's units were rendered from, as its supervisor reads it
+DIGEST_VAR = "LLMGW_SPEC_DIGEST"
+DIGEST_HEX = 16  # 64 bits: versions of one replica never collide in practice
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,7 @@ class ShardPlan:
     services: tuple[ServiceUnit, ...]
     restart: RestartUnit
     notes: tuple[str, ...] = ()  # for the operator: what this plan does that may surprise
+    spec_digest: str = ""  # the replica's version, the same on every node (spec_digest)
 
 
 
@@ -163,6 +171,41 @@ def plan_node(spec: Spec, node: str, manager: Manager, *, allow_empty: bool = Fa
 
 
 def plan_shard(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
+    """One rank's shard, every member service stamped with the replica's digest."""
+    plan = _plan_rank(replica, rank, manager)
+    digest = spec_digest(replica, manager)
+    services = tuple(replace(s, environment=(*s.environment, (DIGEST_VAR, digest)))
+                     for s in plan.services)
+    return replace(plan, services=services, spec_digest=digest)
+
+
+def spec_digest(replica: Replica, manager: Manager) -> str:
+    """The version of a replica's units, the same on every node: a digest of every
+    rank's plan (so it changes exactly when some rank's units would), leaving out what
+    does not reach a unit's behaviour (the spec file's path, enable:, notes) and where
+    this machine keeps our helpers. A rank whose units carry another digest runs another
+    version of the replica (docs/generator.md, "Rolling a change")."""
+    canonical = Manager(user=manager.user, wait_for_port="/usr/bin/llmgw-wait-for-port")
+    ranks = [asdict(replace(_plan_rank(replica, rank, canonical), source="", enable=False,
+                            notes=()))
+             for rank in range(len(replica.nodes))]
+    text = json.dumps(ranks, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:DIGEST_HEX]
+
+
+def digest_in(environment: Iterable[str]) -> str:
+    """The spec digest among a unit's Environment= assignments ("NAME=value", as systemd
+    reports them), or "" when it carries none (a unit rendered before digests)."""
+    prefix = f"{DIGEST_VAR}="
+    found = [e[len(prefix):] for e in environment if isinstance(e, str) and e.startswith(prefix)]
+    return found[-1] if found and is_digest(found[-1]) else ""
+
+
+def is_digest(text: str) -> bool:
+    return len(text) == DIGEST_HEX and all(c in "0123456789abcdef" for c in text)
+
+
+def _plan_rank(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
     steps = replica.engine.steps(replica.name, replica.nodes, rank)
     target = target_name(replica.name)
     restarter = restart_unit_name(replica.name)

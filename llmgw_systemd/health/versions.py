@@ -1,0 +1,71 @@
+"""Which version of its replica's spec each rank runs, and what a change waits for (pure;
+docs/generator.md, "Rolling a change").
+
+A version is the digest every member unit of a rank carries (units/plan.py,
+spec_digest), the same on every node for one spec entry. A rank has two:
+
+- *loaded*: the digest its units carry now, as systemd holds them (the engine unit's
+  Environment=): what its next start runs;
+- *running*: the digest its engine started with, which its supervisor records at the
+  first sight of each start (a daemon-reload changes the first, never the second).
+
+A rank whose two differ is *staged*: its new units are written and reloaded, and it
+waits for the replica's one group restart. Ranks running different versions never
+serve together: the replica is not ready, and a staged rank whose new version is what
+another rank already runs restarts to join it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SHOWN = 8  # hex digits of a digest in a reason: enough to tell versions apart
+
+
+@dataclass(frozen=True)
+class RankVersion:
+    """One rank's versions ("" where not known: a peer of an earlier version, a rank
+    not running, a supervisor that never saw the start)."""
+
+    rank: int
+    node: str
+    loaded: str = ""
+    running: str = ""
+
+    @property
+    def staged(self) -> bool:
+        return bool(self.loaded and self.running and self.loaded != self.running)
+
+
+def staged_line(versions: Sequence[RankVersion]) -> str:
+    """`staged: N of M nodes` while some rank waits for the group restart, else ""."""
+    staged = sum(1 for v in versions if v.staged)
+    return f"staged: {staged} of {len(versions)} nodes" if staged else ""
+
+
+def mixed(versions: Sequence[RankVersion]) -> str:
+    """Why the ranks cannot serve together ("" when they can): they run different
+    versions of the spec."""
+    running = {v.running for v in versions if v.running}
+    if len(running) < 2:
+        return ""
+    return "ranks run different versions of the spec: " + ", ".join(
+        f"rank {v.rank} on {v.node} {v.running[:SHOWN]}" for v in versions if v.running)
+
+
+def must_rejoin(versions: Sequence[RankVersion], rank: int) -> str:
+    """Why this rank must start again on its new units ("" when it need not): it is
+    staged, and another rank already runs the version its units now carry (that rank
+    restarted first: the last node to apply, or a staged rank that died and came back)."""
+    mine = next((v for v in versions if v.rank == rank), None)
+    if mine is None or not mine.staged:
+        return ""
+    ahead = [v for v in versions if v.rank != rank and v.running == mine.loaded]
+    if not ahead:
+        return ""
+    first = ahead[0]
+    return (f"rank {first.rank} on {first.node} runs version {mine.loaded[:SHOWN]}, the one "
+            f"this rank's units carry (it runs {mine.running[:SHOWN]}); this rank must start "
+            "again to join it")
+
