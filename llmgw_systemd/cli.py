@@ -34,6 +34,7 @@ from llmgw_systemd.units.render import render_shards
 if TYPE_CHECKING:
     import ssl
 
+    from llmgw_systemd.apply.rollout import SystemctlShow, Versions
     from llmgw_systemd.supervisor.shard_reader import ShardStatus
 
 SYSTEM_UNIT_DIR = "/etc/systemd/system"
@@ -119,14 +120,20 @@ def tls_options(when: str, defaults: str) -> Callable[[F], F]:
 @click.option("--start", "start_new", is_flag=True,
               help="With --apply: start new replicas even when their spec does not say "
                    "enable: true.")
+@click.option("--no-wait", is_flag=True,
+              help="With --apply: the behaviour before rolling: restart every changed "
+                   "replica at once, even one whose other nodes have not applied, and wait "
+                   "for none to come back.")
 @VERSION_OPTION
 def render_command(specs: tuple[str, ...], node: str | None, output: str | None,
                    dry_run: bool, user_manager: bool, allow_empty: bool, apply_: bool,
-                   start_new: bool) -> None:
+                   start_new: bool, no_wait: bool) -> None:
     """Render replica SPEC files (or folders of *.yaml) into systemd units for one node."""
     try:
         if start_new and not apply_:
             raise UsageError("--start", "starts new replicas as part of --apply; add --apply")
+        if no_wait and not apply_:
+            raise UsageError("--no-wait", "is part of --apply; add --apply")
         node_name = node if node is not None else os.uname().nodename  # = gethostname()
         if not node_name:
             raise UsageError("--node", "this machine has no host name; pass --node NAME")
@@ -145,7 +152,8 @@ def render_command(specs: tuple[str, ...], node: str | None, output: str | None,
         if apply_:
             _check_apply_target(directory, user_manager)
             _render_and_apply(directory, rendered, plans, user_manager, dry_run=dry_run,
-                              start_new=start_new, generator_too=output is None)
+                              start_new=start_new, generator_too=output is None,
+                              replicas={r.name: r for r in spec.replicas}, wait=not no_wait)
             return
         result = survey(directory, rendered)
         notes = (*result.notes, *(_generator_notes(rendered, user_manager)
@@ -182,7 +190,7 @@ def _check_apply_target(directory: str, user_manager: bool) -> None:
 
 def _render_and_apply(directory: str, rendered: dict[str, str], plans: tuple[ShardPlan, ...],
                       user_manager: bool, *, dry_run: bool, start_new: bool,
-                      generator_too: bool) -> None:
+                      generator_too: bool, replicas: dict[str, Replica], wait: bool) -> None:
     """Write and make systemd follow, as rollout.decide says, under the directory's
     lock so two applies never interleave. Stops at the first failing step."""
     from llmgw_systemd.apply.rollout import decide, group_files
@@ -196,7 +204,9 @@ def _render_and_apply(directory: str, rendered: dict[str, str], plans: tuple[Sha
             click.echo(f"note: {note}", err=True)
         groups = group_files([(c.name, c.action, c.old) for c in result.changes], plans)
         states = unit_states(user_manager, [u for g in groups for u in g.existing])
-        rollout = decide(groups, states, files_dirty=result.dirty, start_new=start_new)
+        versions = _versions(plans, replicas, states)
+        rollout = decide(groups, states, files_dirty=result.dirty, start_new=start_new,
+                         versions=versions, wait=wait)
         if dry_run:
             click.echo(unified_diff(result.changes, directory), nl=False)
             click.echo("\n".join(o.line(dry_run=True) for o in rollout.outcomes))
@@ -206,15 +216,99 @@ def _render_and_apply(directory: str, rendered: dict[str, str], plans: tuple[Sha
             try:
                 if step.verb == "write":
                     apply_locked(directory, result.changes)
+                elif step.verb == "wait":
+                    plan = next(p for p in plans if p.replica == step.replica)
+                    _wait_routable(step.replica, step.digest, step.within, user_manager,
+                                   (plan.target.name, *(s.name for s in plan.services)))
                 else:
                     systemctl(user_manager, step.verb,
                               *(("--", *step.units) if step.units else ()))
             except LlmgwError as exc:
                 already = f" (done before it: {'; '.join(done)})" if done else ""
                 raise LlmgwError(f"{exc}{already}; nothing after it was done") from None
-            done.append(" ".join((step.verb, *step.units)) if step.verb != "write"
-                        else f"wrote {directory}")
+            done.append(f"wrote {directory}" if step.verb == "write" else
+                        f"{step.replica} routable again" if step.verb == "wait" else
+                        " ".join((step.verb, *step.units)))
     click.echo("\n".join(o.line(dry_run=False) for o in rollout.outcomes))
+
+
+def _versions(plans: Sequence[ShardPlan], replicas: dict[str, Replica],
+              states: dict[str, SystemctlShow]) -> dict[str, Versions]:
+    """Per replica of this node, its spec versions as an apply can know them: what its
+    engine here started with (its own environment), and which other ranks' units do not
+    carry the new version yet (this node's supervisor's view)."""
+    from llmgw_systemd.apply.rollout import Versions
+    from llmgw_systemd.apply.systemctl import running_digest
+    from llmgw_systemd.errors import PeerError
+    from llmgw_systemd.supervisor.peer_client import fetch_replica
+    from llmgw_systemd.units.plan import ready_within
+
+    out = {}
+    for plan in plans:
+        engine = states.get(plan.services[-1].name)
+        running = running_digest(engine.main_pid) if engine is not None else ""
+        behind: tuple[str, ...] | None = ()
+        why = ""
+        if plan.ranks > 1:
+            try:
+                view = fetch_replica(SUPERVISOR_LOCAL.host, SUPERVISOR_LOCAL.port,
+                                     plan.replica, deadline=SUPERVISOR_ASK_TIMEOUT)
+            except PeerError as exc:
+                behind, why = None, f"this node's supervisor: {exc}"
+            else:
+                behind = tuple(f"rank {r.rank} on {r.node}" for r in view.ranks
+                               if r.rank != plan.rank and r.loaded_digest != plan.spec_digest)
+        out[plan.replica] = Versions(plan.spec_digest, plan.ranks, running, behind, why,
+                                     ready_within(replicas[plan.replica]))
+    return out
+
+
+def _wait_routable(name: str, digest: str, within: int, user_manager: bool,
+                   units: tuple[str, ...]) -> None:
+    """Until the replica is routable again on its supervisor's cluster-wide view, every
+    rank running `digest`; without a supervisor, until its units here are active."""
+    import time
+
+    from llmgw_systemd.apply.systemctl import unit_states
+    from llmgw_systemd.errors import NotBackError, PeerError
+    from llmgw_systemd.supervisor.peer_client import fetch_replica
+
+    click.echo(f"replica {name}: waiting up to {within} s for it to be routable again",
+               err=True)
+    started = time.monotonic()
+    ends = started + within
+    last = "no answer yet"
+    supervised = True
+    while True:
+        if supervised:
+            try:
+                view = fetch_replica(SUPERVISOR_LOCAL.host, SUPERVISOR_LOCAL.port, name,
+                                     deadline=SUPERVISOR_ASK_TIMEOUT)
+            except PeerError as exc:
+                supervised = False
+                click.echo(f"note: cannot wait for replica {name} to be routable: no answer "
+                           f"from this node's supervisor ({exc}); waiting for its units "
+                           "to be active instead", err=True)
+                continue
+            behind = [f"rank {r.rank} on {r.node}" for r in view.ranks
+                      if r.running_digest != digest]
+            if view.routable and not behind:
+                break
+            last = (f"{view.state}: {view.reason}" if not behind or view.state != "ready"
+                    else f"{', '.join(behind)} not yet on version {digest[:8]}")
+        else:
+            states = unit_states(user_manager, list(units))
+            down = [u for u in units if states.get(u) is None or states[u].active != "active"]
+            if not down:
+                break
+            last = f"not active: {', '.join(down)}"
+        if time.monotonic() >= ends:
+            raise NotBackError(f"replica {name} was not routable again within {within} s "
+                               f"of its restart ({last}); nothing after it was restarted")
+        time.sleep(WAIT_POLL)
+    click.echo(f"replica {name}: routable again after {time.monotonic() - started:.0f} s"
+               if supervised else f"replica {name}: its units here are active after "
+               f"{time.monotonic() - started:.0f} s", err=True)
 
 
 def _generator_notes(rendered: dict[str, str], user_manager: bool) -> list[str]:
@@ -257,6 +351,8 @@ def render_main() -> None:
 
 
 DEFAULT_SPECS = ("/etc/llmgw/replicas.d",)
+SUPERVISOR_ASK_TIMEOUT = 3.0  # seconds for this node's supervisor to answer an apply
+WAIT_POLL = 1.0  # seconds between looks while an apply waits for a replica
 DEFAULT_TLS_DIR = "/etc/llmgw/tls"
 
 

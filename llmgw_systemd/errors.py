@@ -9,6 +9,7 @@ points (cli.py, and the helpers' main()) turn them into exit statuses.
     │   └── UnsafeValue        a value no unit file can hold as it is
     ├── InstallError           writing or pruning the unit folder
     ├── SystemctlError         a systemctl step of --apply
+    ├── NotBackError           a replica --apply restarted was not routable again in time
     ├── BusError               systemd over D-Bus: unreachable, or a call refused
     ├── PeerError              a fetch from a peer supervisor (its kind says how)
     ├── TlsError               the TLS files: missing, unreadable, not fitting together
@@ -73,6 +74,11 @@ class UnsafeValue(BadInput):
 
 class InstallError(LlmgwError):
     """Writing or pruning the unit directory failed."""
+
+
+class NotBackError(LlmgwError):
+    """A replica that llmgw-render --apply restarted was not routable again in time;
+    nothing after it was restarted."""
 
 
 class SystemctlError(LlmgwError):

@@ -319,9 +319,12 @@ class UserManager:
 
     def apply(self, spec: Path, node: str, *extra: str, check: bool = True
               ) -> subprocess.CompletedProcess[str]:
-        """llmgw-render --user --apply into this manager's unit folder (its default)."""
-        proc = subprocess.run([RENDER, "--user", "--apply", "--node", node, *extra,
-                               str(spec)], capture_output=True, text=True, timeout=180,
+        """llmgw-render --user --apply into this manager's unit folder (its default), in
+        this node's network namespace (where its supervisor answers on loopback)."""
+        argv = [RENDER, "--user", "--apply", "--node", node, *extra, str(spec)]
+        if self.netns is not None:
+            argv = ["nsenter", f"--net=/run/netns/{self.netns.name}", *argv]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=420,
                               check=False, stdin=subprocess.DEVNULL, env=self.env)
         if check and proc.returncode != 0:
             raise AssertionError(f"llmgw-render --apply failed ({proc.returncode}): "

@@ -75,7 +75,7 @@ MAY_IMPORT = {
     "health": {"errors", "spec"},
     # the supervisor plans unit names (units.plan) but never writes units
     "supervisor": {"errors", "spec", "units.plan", "health", "helpers.sd_notify"},
-    "helpers": {"errors", "spec.endpoint", "health.drain"},
+    "helpers": {"errors", "spec.endpoint", "spec.names", "health.drain", "health.versions"},
     "cli": {"errors", "spec", "units", "apply", "health", "supervisor", "helpers.stop_group"},
 }
 # Never: the daemon must not reach the writers of unit files.

@@ -14,7 +14,7 @@ from helpers import WAIT_FOR_PORT, rendered_dir, run_render, snapshot, verify_un
 from installed import STOP_GROUP
 from unitfile import read_env, read_exec, read_unit
 
-from llmgw_systemd.units.plan import DIGEST_VAR
+from llmgw_systemd.spec.names import DIGEST_VAR
 
 CASES = sorted((Path(__file__).parent / "cases" / "render").glob("*.yaml"))
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_systemd.apply.rollout import ReplicaFiles, Step, SystemctlShow, decide, group_files
+from llmgw_systemd.apply.rollout import (
+    ReplicaFiles,
+    Step,
+    SystemctlShow,
+    Versions,
+    decide,
+    group_files,
+)
 from llmgw_systemd.apply.systemctl import parse_show
 from llmgw_systemd.spec.document import parse
 from llmgw_systemd.spec.replicas import build_spec
@@ -111,6 +118,81 @@ def test_order_across_replicas_stops_first_and_starts_last() -> None:
         "replica old: would stop (1 unit files removed)",
         "replica new: would start and enable (new)",
         "replica b: nothing to do"]
+
+
+NEW, OLD = "a1" * 8, "b2" * 8  # spec digests: what the units carry now, what ran before
+WAIT = Step("wait", (T,), replica="a", digest=NEW, within=90)
+
+
+def two_ranks(behind: tuple[str, ...] | None, running: str = OLD, why: str = "") -> Versions:
+    return Versions(NEW, ranks=2, running=running, behind=behind, unknown_why=why,
+                    ready_within=90)
+
+
+@pytest.mark.parametrize(("kind", "version", "wait", "steps", "line"), [
+    # another rank's units still carry the old version: staged, nothing restarted
+    ("changed", two_ranks(("rank 1 on node-b",)), True,
+     [Step("write"), Step("daemon-reload")],
+     "replica a: staged (changed: llmgw-a-engine.service; written and reloaded, nothing "
+     "restarted: it restarts once, as a group, when the last of its nodes applies version "
+     "a1a1a1a1 (not yet: rank 1 on node-b))"),
+    # the last node to apply: one group restart, then a wait for it to be routable
+    ("changed", two_ranks(()), True,
+     [Step("write"), Step("daemon-reload"), Step("restart", (T,)), WAIT],
+     "replica a: restarted (changed: llmgw-a-engine.service; every rank carries version "
+     "a1a1a1a1: it restarts as a group; then waits up to 90 s for it to be routable again)"),
+    # unchanged files, but the engine here still runs the old version (it was staged, and
+    # the last node's restart did not happen, or this is a re-run): restarted now
+    ("same", two_ranks(()), True, [Step("restart", (T,)), WAIT],
+     "replica a: restarted (its engine runs version b2b2b2b2, its units carry a1a1a1a1; "
+     "every rank carries version a1a1a1a1: it restarts as a group; then waits up to 90 s "
+     "for it to be routable again)"),
+    # the engine runs what its units carry: a re-run does nothing
+    ("same", two_ranks((), running=NEW), True, [], "replica a: nothing to do"),
+    # nothing to ask: restarts at once, as before staging
+    ("changed", two_ranks(None, why="this node's supervisor: refused"), True,
+     [Step("write"), Step("daemon-reload"), Step("restart", (T,)), WAIT],
+     "replica a: restarted (changed: llmgw-a-engine.service; the other ranks' versions are "
+     "not known (this node's supervisor: refused): restarted at once; then waits up to 90 s "
+     "for it to be routable again)"),
+    # --no-wait: the behaviour before staging
+    ("changed", two_ranks(("rank 1 on node-b",)), False,
+     [Step("write"), Step("daemon-reload"), Step("restart", (T,))],
+     "replica a: restarted (changed: llmgw-a-engine.service; --no-wait: restarted at once, "
+     "whatever the other ranks carry)"),
+    # one node: no other rank to wait for, a wait for it to come back
+    ("changed", Versions(NEW, running=OLD, ready_within=90), True,
+     [Step("write"), Step("daemon-reload"), Step("restart", (T,)), WAIT],
+     "replica a: restarted (changed: llmgw-a-engine.service; then waits up to 90 s for it "
+     "to be routable again)"),
+])
+def test_staging_and_waiting(kind: str, version: Versions, wait: bool, steps: list[Step],
+                             line: str) -> None:
+    replica = files(kind)
+    rollout = decide([replica], {T: ON, E: ON}, files_dirty=bool(replica.changed),
+                     start_new=False, versions={"a": version}, wait=wait)
+    assert list(rollout.steps) == steps
+    assert [o.line(dry_run=False) for o in rollout.outcomes] == [line]
+
+
+def test_stopped_replica_is_updated_not_staged() -> None:
+    rollout = decide([files("changed")], {}, files_dirty=True, start_new=False,
+                     versions={"a": two_ranks(("rank 1 on node-b",), running="")})
+    assert list(rollout.steps) == [Step("write"), Step("daemon-reload")]
+    assert [o.line(dry_run=True) for o in rollout.outcomes] == [
+        "replica a: would update (changed: llmgw-a-engine.service; not running, so left "
+        "stopped)"]
+
+
+def test_changed_replicas_restart_one_at_a_time_each_waited_for() -> None:
+    other = ReplicaFiles("b", "llmgw-b.target", updated=("llmgw-b-engine.service",))
+    rollout = decide([files("changed"), other], {T: ON, "llmgw-b.target": ON},
+                     files_dirty=True, start_new=False,
+                     versions={"a": Versions(NEW, ready_within=90),
+                               "b": Versions(NEW, ready_within=30)})
+    assert [(s.verb, s.units) for s in rollout.steps[2:]] == [
+        ("restart", (T,)), ("wait", (T,)), ("restart", ("llmgw-b.target",)),
+        ("wait", ("llmgw-b.target",))]
 
 
 SPEC = """\

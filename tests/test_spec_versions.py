@@ -12,7 +12,13 @@ from test_judge import NOW, POLICY, PROBE_OK, WORKER, peer, shard, units
 from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence
 from llmgw_systemd.health.judge import Memory, judge
 from llmgw_systemd.health.rules import DEGRADED, READY, STOPPED, State
-from llmgw_systemd.health.versions import RankVersion, mixed, must_rejoin, staged_line
+from llmgw_systemd.health.versions import (
+    RankVersion,
+    leader_behind,
+    mixed,
+    must_rejoin,
+    staged_line,
+)
 
 OLD, NEW, NEWER = "1" * 16, "2" * 16, "3" * 16
 
@@ -45,6 +51,29 @@ def test_versions(what: str, versions: tuple[RankVersion, ...], staged: str, apa
     assert staged_line(versions) == staged, what
     assert bool(mixed(versions)) == apart, what
     assert [bool(must_rejoin(versions, v.rank)) for v in versions] == rejoin, what
+
+
+@pytest.mark.parametrize(("what", "versions", "digest", "waits"), [
+    # the worker's node applied last: its rank starts on NEW while rank 0 runs OLD with
+    # NEW loaded; rank 0 is about to restart (must_rejoin): joining it now would break
+    ("rank 0 staged for this version", ranks((NEW, OLD), (NEW, NEW)), NEW, True),
+    ("rank 0 runs this version", ranks((NEW, NEW), (NEW, "")), NEW, False),
+    ("rank 0 not running (restarting): the port wait does the rest",
+     ranks((NEW, ""), (NEW, NEW)), NEW, False),
+    # rank 0's node has not applied (--no-wait, or a generator reload here first): it will
+    # not restart by itself, so waiting would only run out the rendezvous timeout
+    ("rank 0 not staged for this version", ranks((OLD, OLD), (NEW, NEW)), NEW, False),
+    ("rank 0 staged for a newer version", ranks((NEWER, OLD), (NEW, NEW)), NEW, False),
+    ("rank 0 of an earlier release: nothing known", ranks(("", ""), (NEW, NEW)), NEW, False),
+    ("units without a digest here", ranks((NEW, OLD), ("", "")), "", False),
+])
+def test_a_rank_waits_for_rank_0_that_is_about_to_restart(
+        what: str, versions: tuple[RankVersion, ...], digest: str, waits: bool) -> None:
+    reason = leader_behind(versions, digest)
+    assert bool(reason) == waits, what
+    if waits:
+        assert reason == ("rank 0 on n0 still runs version 11111111, and its units carry "
+                          "22222222: waiting for it to start on it")
 
 
 def versioned(loaded: str, running: str, active: str = "active", sub: str = "running"

@@ -163,6 +163,11 @@ def test_progress_and_result_reach_systemd(notify_socket: tuple[socket.socket, s
     (["--timeout", "soon", "h:1"], "expected seconds, got 'soon'"),
     (["--interval", "0", "h:1"], "--interval must be more than 0 seconds"),
     ([], "the following arguments are required"),
+    (["--same-version", "rep", "h:1"], "--same-version and --supervisor go together"),
+    (["--same-version", "Rep!", "--supervisor", "127.0.0.1:9470", "h:1"],
+     "--same-version: expected a replica's name, without --free; got 'Rep!'"),
+    (["--same-version", "rep", "--supervisor", "nowhere", "h:1"],
+     "--supervisor: expected HOST:PORT; got 'nowhere'"),
 ])
 def test_bad_arguments(args: list[str], message: str) -> None:
     proc = wait_tool(*args)
@@ -195,3 +200,114 @@ def test_sigterm_ends_the_wait_cleanly() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class ReplicaView:
+    """The local supervisor's GET /v1/replicas/NAME on loopback, as far as the version
+    gate reads it (ranks[].spec), with the answer swapped by the test."""
+
+    def __init__(self) -> None:
+        import http.server
+        import json
+
+        view = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = json.dumps(view.answer).encode()
+                self.send_response(200 if self.path == "/v1/replicas/rep" else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        self.answer: dict[str, object] = {}
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def ranks(self, leader: tuple[str, str], worker: tuple[str, str]) -> None:
+        self.answer = {"ranks": [
+            {"rank": k, "node": f"n{k}", "spec": {"loaded": loaded, "running": running}}
+            for k, (loaded, running) in enumerate((leader, worker))]}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+OLD, NEW = "1" * 16, "2" * 16
+
+
+@pytest.fixture
+def replica_view() -> Iterator[ReplicaView]:
+    view = ReplicaView()
+    yield view
+    view.close()
+
+
+def test_a_rank_waits_while_rank_0_is_about_to_restart_onto_its_version(
+        replica_view: ReplicaView) -> None:
+    port = free_port()
+    replica_view.ranks((NEW, OLD), (NEW, NEW))  # rank 0 staged for NEW, not restarted
+    env = {"LLMGW_SPEC_DIGEST": NEW, "PATH": "/usr/bin:/bin"}
+    released = threading.Event()
+
+    def restart_rank_0() -> None:
+        time.sleep(2.0)
+        replica_view.ranks((NEW, NEW), (NEW, NEW))
+        released.set()
+
+    thread = threading.Thread(target=restart_rank_0)
+    with listener(port):
+        thread.start()
+        proc = wait_tool("--timeout", "30", "--same-version", "rep", "--supervisor",
+                         replica_view.address, f"127.0.0.1:{port}", env=env)
+        done = released.is_set()
+    thread.join()
+    assert proc.returncode == 0, proc.stderr
+    assert done, "it went before rank 0 ran the new version"
+    assert proc.stdout == ("llmgw-wait-for-port: rep: rank 0 on n0 still runs version "
+                           "11111111, and its units carry 22222222: waiting for it to start "
+                           "on it\n")
+
+
+@pytest.mark.parametrize(("leader", "digest"), [
+    ((NEW, NEW), NEW),  # rank 0 runs this version
+    ((OLD, OLD), NEW),  # rank 0's node has not applied: it will not restart by itself
+    ((NEW, OLD), ""),  # this unit carries no digest (rendered before versions)
+])
+def test_a_rank_that_need_not_wait_goes(replica_view: ReplicaView, leader: tuple[str, str],
+                                        digest: str) -> None:
+    port = free_port()
+    replica_view.ranks(leader, (NEW, NEW))
+    with listener(port):
+        proc = wait_tool("--timeout", "3", "--same-version", "rep", "--supervisor",
+                         replica_view.address, f"127.0.0.1:{port}",
+                         env={"LLMGW_SPEC_DIGEST": digest, "PATH": "/usr/bin:/bin"})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
+
+
+def test_no_supervisor_answering_does_not_hold_the_start() -> None:
+    port = free_port()
+    with listener(port):
+        proc = wait_tool("--timeout", "3", "--same-version", "rep", "--supervisor",
+                         f"127.0.0.1:{free_port()}", f"127.0.0.1:{port}",
+                         env={"LLMGW_SPEC_DIGEST": NEW, "PATH": "/usr/bin:/bin"})
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def test_a_rank_0_that_never_restarts_runs_out_the_timeout(replica_view: ReplicaView) -> None:
+    port = free_port()
+    replica_view.ranks((NEW, OLD), (NEW, NEW))
+    with listener(port):
+        proc = wait_tool("--timeout", "2", "--same-version", "rep", "--supervisor",
+                         replica_view.address, f"127.0.0.1:{port}",
+                         env={"LLMGW_SPEC_DIGEST": NEW, "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("llmgw-wait-for-port: gave up after 2 s waiting for rank 0 "
+                                  "on n0 still runs version 11111111"), proc.stderr
+    assert proc.stderr.rstrip().endswith("(the ports are ready)")

@@ -10,10 +10,19 @@ Order matters, and is always the same:
 3. write the files, then daemon-reload;
 4. enable replicas whose spec says enable: true;
 5. restart the targets of changed replicas that run (PartOf= carries the restart to
-   every member), start new ones that are enabled or asked for (--start).
+   every member), one at a time, each followed by a wait until the replica is routable
+   again on its supervisor's view; then start new ones that are enabled or asked for
+   (--start).
 
 An unchanged replica is left alone, unless systemd still holds an older version of its
-units (NeedDaemonReload): then the files changed under it and it counts as changed.
+units (NeedDaemonReload), or its engine runs an older version than its units carry
+(staged): then it counts as changed.
+
+A replica that spans nodes restarts once per change, as a group, when the last of its
+nodes applies (docs/generator.md, "Rolling a change"): until then an apply *stages* it
+(files written and reloaded, nothing restarted). Which node is last comes from the
+versions the other ranks' units carry, as this node's supervisor reports them; with no
+supervisor to ask, an apply restarts at once, as before.
 """
 
 from __future__ import annotations
@@ -27,13 +36,14 @@ from llmgw_systemd.units.plan import ShardPlan
 
 # What a step does: a systemctl verb, or the writing of the files.
 Verb = Literal["stop", "reset-failed", "disable", "write", "daemon-reload", "enable",
-               "restart", "start"]
+               "restart", "wait", "start"]
 # A replica runs when its target or one of its members is in one of these states.
 RUNNING_STATES = frozenset({"active", "activating", "reloading"})
 # Members still up (even on their way down) when their file is about to go.
 UP_STATES = RUNNING_STATES | {"deactivating"}
 ENABLED_STATES = frozenset({"enabled", "enabled-runtime"})
 CHANGED_NAMES_SHOWN = 3
+SHOWN = 8  # hex digits of a spec digest in a line
 
 
 @dataclass(frozen=True)
@@ -78,14 +88,33 @@ class SystemctlShow:
     masked: bool = False  # LoadState=masked: the admin's veto
     need_reload: bool = False  # NeedDaemonReload: its file changed since systemd read it
     file_state: str = ""  # UnitFileState: enabled, disabled, ... ("" when not found)
+    main_pid: int = 0
+
+
+@dataclass(frozen=True)
+class Versions:
+    """What an apply knows of one replica's spec versions (health/versions.py)."""
+
+    digest: str  # what its units on this node carry once written
+    ranks: int = 1
+    running: str = ""  # what this node's engine started with ("": not running, not known)
+    # the other ranks whose units do not carry `digest` yet ("rank 1 on node-b"); None
+    # when not known (no supervisor answered: unknown_why says why)
+    behind: tuple[str, ...] | None = ()
+    unknown_why: str = ""
+    ready_within: int = 0  # seconds to wait for it to be routable after a restart
 
 
 @dataclass(frozen=True)
 class Step:
-    """One systemctl call (or the writing of the files)."""
+    """One systemctl call (or the writing of the files, or a wait)."""
 
     verb: Verb
     units: tuple[str, ...] = ()
+    # a wait: for this replica to be routable again, every rank on this digest
+    replica: str = ""
+    digest: str = ""
+    within: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,9 +169,14 @@ def group_files(files: Sequence[tuple[str, str, str | None]], plans: Sequence[Sh
 
 
 def decide(replicas: Sequence[ReplicaFiles], states: Mapping[str, SystemctlShow], *,
-           files_dirty: bool, start_new: bool) -> Rollout:
+           files_dirty: bool, start_new: bool,
+           versions: Mapping[str, Versions] | None = None, wait: bool = True) -> Rollout:
     """The steps and per-replica lines for one apply. states: every existing unit's
-    state (a unit missing from it counts as inactive and unknown to systemd)."""
+    state (a unit missing from it counts as inactive and unknown to systemd); versions:
+    per replica, what is known of its spec versions; wait=False (--no-wait) is the
+    behaviour before staging: every changed replica restarts at once, nothing waited
+    for."""
+    known = versions or {}
     def state(unit: str) -> SystemctlShow:
         return states.get(unit, SystemctlShow())
 
@@ -150,7 +184,7 @@ def decide(replicas: Sequence[ReplicaFiles], states: Mapping[str, SystemctlShow]
     resets: list[str] = []
     disables: list[str] = []
     enables: list[str] = []
-    restarts: list[str] = []
+    restarts: list[Step] = []
     starts: list[str] = []
     outcomes: list[Outcome] = []
     stale_any = False
@@ -194,14 +228,30 @@ def decide(replicas: Sequence[ReplicaFiles], states: Mapping[str, SystemctlShow]
                     f"new; not started, as enable is false: pass --start, or systemctl "
                     f"start {replica.target}"))
             continue
-        if not replica.changed and not stale:
+        version = known.get(replica.name)
+        behind_here = (version is not None and running and bool(version.running)
+                       and version.running != version.digest)
+        if not replica.changed and not stale and not behind_here:
             outcomes.append(Outcome(replica.name, *(
                 ("enabled", "would enable") if enabling else NOTHING)))
             continue
         detail = _changed_detail(replica) if replica.changed else (
-            "its files changed since systemd last read them")
+            "its files changed since systemd last read them") if stale else (
+            f"its engine runs version {version.running[:SHOWN]}, its units carry "
+            f"{version.digest[:SHOWN]}" if version is not None else "")
         if running:
-            restarts.append(replica.target)
+            staged = _staged(version) if wait else ""
+            if staged:
+                outcomes.append(Outcome(replica.name, f"staged{also}",
+                                        f"would stage{also_planned}", f"{detail}; {staged}"))
+                continue
+            detail += _restart_note(version, wait=wait)
+            restarts.append(Step("restart", (replica.target,)))
+            if wait and version is not None:
+                restarts.append(Step("wait", (replica.target,), replica=replica.name,
+                                     digest=version.digest, within=version.ready_within))
+                detail += (f"; then waits up to {version.ready_within} s for it to be "
+                           "routable again")
             outcomes.append(Outcome(replica.name, f"restarted{also}",
                                     f"would restart{also_planned}", detail))
         else:
@@ -219,9 +269,30 @@ def decide(replicas: Sequence[ReplicaFiles], states: Mapping[str, SystemctlShow]
         steps.append(Step("daemon-reload"))
     if enables:
         steps.append(Step("enable", tuple(enables)))
-    steps.extend(Step("restart", (t,)) for t in restarts)
+    steps.extend(restarts)
     steps.extend(Step("start", (t,)) for t in starts)
     return Rollout(tuple(steps), tuple(outcomes))
+
+
+def _staged(version: Versions | None) -> str:
+    """Why a changed, running replica that spans nodes is only staged here ("": it
+    restarts now): some other rank's units do not carry the new version yet."""
+    if version is None or version.ranks < 2 or not version.behind:
+        return ""
+    return (f"written and reloaded, nothing restarted: it restarts once, as a group, when "
+            f"the last of its nodes applies version {version.digest[:SHOWN]} (not yet: "
+            f"{', '.join(version.behind)})")
+
+
+def _restart_note(version: Versions | None, *, wait: bool) -> str:
+    if version is None or version.ranks < 2:
+        return ""
+    if not wait:
+        return "; --no-wait: restarted at once, whatever the other ranks carry"
+    if version.behind is None:
+        return (f"; the other ranks' versions are not known ({version.unknown_why}): "
+                "restarted at once")
+    return f"; every rank carries version {version.digest[:SHOWN]}: it restarts as a group"
 
 
 def _target_first(target: str, units: list[str]) -> list[str]:

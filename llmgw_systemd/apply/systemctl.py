@@ -9,9 +9,11 @@ from collections.abc import Sequence
 
 from llmgw_systemd.apply.rollout import SystemctlShow
 from llmgw_systemd.errors import SystemctlError
+from llmgw_systemd.units.plan import digest_in
 
 SYSTEMCTL = "/usr/bin/systemctl"  # on Debian (merged /usr) and RHEL alike
-PROPERTIES = ("Id", "LoadState", "ActiveState", "NeedDaemonReload", "UnitFileState")
+PROPERTIES = ("Id", "LoadState", "ActiveState", "NeedDaemonReload", "UnitFileState",
+              "MainPID")
 
 
 def systemctl(user: bool, *args: str) -> str:
@@ -49,8 +51,22 @@ def parse_show(text: str) -> dict[str, SystemctlShow]:
             active=props.get("ActiveState", "inactive"),
             masked=props.get("LoadState") == "masked",
             need_reload=props.get("NeedDaemonReload") == "yes",
-            file_state=props.get("UnitFileState", ""))
+            file_state=props.get("UnitFileState", ""),
+            main_pid=int(props["MainPID"]) if props.get("MainPID", "").isdigit() else 0)
     return states
+
+
+def running_digest(pid: int) -> str:
+    """The spec version a running engine started with: the digest in its process's own
+    environment, which no daemon-reload changes ("" when unreadable or absent)."""
+    if pid <= 0:
+        return ""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            raw = handle.read(1 << 20)
+    except OSError:
+        return ""
+    return digest_in(item.decode("utf-8", "replace") for item in raw.split(b"\0"))
 
 
 def unit_path(user: bool) -> tuple[str, ...]:

@@ -12,7 +12,10 @@ spec_digest), the same on every node for one spec entry. A rank has two:
 A rank whose two differ is *staged*: its new units are written and reloaded, and it
 waits for the replica's one group restart. Ranks running different versions never
 serve together: the replica is not ready, and a staged rank whose new version is what
-another rank already runs restarts to join it.
+another rank already runs restarts to join it. A rank > 0 that starts on a new version
+while rank 0 still runs the old one (the last node to apply was a worker's) waits at its
+rendezvous until rank 0 has restarted onto it (`leader_behind`), so that no rank joins a
+rank 0 that is about to go: every rank restarts once per change.
 """
 
 from __future__ import annotations
@@ -69,3 +72,15 @@ def must_rejoin(versions: Sequence[RankVersion], rank: int) -> str:
             f"this rank's units carry (it runs {mine.running[:SHOWN]}); this rank must start "
             "again to join it")
 
+
+
+def leader_behind(versions: Sequence[RankVersion], digest: str) -> str:
+    """Why a rank > 0 about to start on `digest` waits before it joins rank 0 ("": it
+    need not): rank 0's units carry `digest`, but its engine still runs an older version,
+    so rank 0 is about to restart to join this rank (must_rejoin) and would break it."""
+    leader = next((v for v in versions if v.rank == 0), None)
+    if (leader is None or not digest or not leader.running or leader.running == digest
+            or leader.loaded != digest):
+        return ""
+    return (f"rank 0 on {leader.node} still runs version {leader.running[:SHOWN]}, and its "
+            f"units carry {digest[:SHOWN]}: waiting for it to start on it")

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
-import json
 import os
 import signal
 import sys
@@ -66,6 +65,7 @@ from llmgw_systemd.health.drain import (
     StopView,
     step,
 )
+from llmgw_systemd.helpers.local_api import ask_replica
 
 PROG = "llmgw-stop-group"
 CGROUP_FS = Path("/sys/fs/cgroup")
@@ -189,19 +189,8 @@ def ask_supervisor(address: str, replica: str, timeout: float = ASK_TIMEOUT
                    ) -> StopView | None:
     """What the local supervisor says of the replica, for the drain step; None when it
     does not answer, or not as expected."""
-    host, _, port = address.rpartition(":")
-    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
-    try:
-        conn.request("GET", f"/v1/replicas/{replica}", headers={"User-Agent": PROG})
-        response = conn.getresponse()
-        if response.status != 200:
-            return None
-        data = json.loads(response.read(1 << 20))
-    except (OSError, http.client.HTTPException, ValueError):
-        return None
-    finally:
-        conn.close()
-    return view_of(data)
+    data = ask_replica(address, replica, timeout, PROG)
+    return view_of(data) if data is not None else None
 
 
 def view_of(data: object) -> StopView | None:

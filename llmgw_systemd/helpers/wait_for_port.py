@@ -11,18 +11,24 @@ while it waited `failed` (measured: docs/engines.md).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from llmgw_systemd import __version__
 from llmgw_systemd.errors import BadInput
+from llmgw_systemd.health.versions import leader_behind
+from llmgw_systemd.helpers.local_api import ask_replica, rank_versions
 from llmgw_systemd.helpers.sd_notify import notify
 from llmgw_systemd.spec.endpoint import Endpoint, parse_endpoint
+from llmgw_systemd.spec.names import DIGEST_VAR, is_replica_name
 
 PROG = "llmgw-wait-for-port"
+ASK_TIMEOUT = 0.5  # seconds the local supervisor has to answer
+ASK_EVERY = 1.0  # seconds between questions to it
 
 
 def accepts(endpoint: Endpoint, timeout: float) -> str | None:
@@ -58,34 +64,58 @@ def is_free(endpoint: Endpoint) -> str | None:
     return None
 
 
-def wait(endpoints: Sequence[Endpoint], timeout: float, interval: float, free: bool) -> int:
+def wait(endpoints: Sequence[Endpoint], timeout: float, interval: float, free: bool,
+         gate: Callable[[], str] | None = None) -> int:
+    """Until every endpoint is ready and the gate (if any) says "" in the same round;
+    the gate is asked only once the ports are ready, and at most every ASK_EVERY s."""
     started = time.monotonic()
     deadline = started + timeout
-    pending = list(endpoints)
     what = "to be free" if free else "to accept connections"
     reasons: dict[Endpoint, str] = {}
+    held = ""  # why the gate holds the start
+    asked = -ASK_EVERY
     while True:
-        for endpoint in list(pending):
+        pending = []
+        for endpoint in endpoints:
             remaining = deadline - time.monotonic()
             reason = is_free(endpoint) if free else accepts(endpoint, min(interval, remaining))
-            if reason is None:
-                pending.remove(endpoint)
-            else:
+            if reason is not None:
+                pending.append(endpoint)
                 reasons[endpoint] = reason
-        if not pending:
+        if not pending and gate is not None and time.monotonic() - asked >= ASK_EVERY:
+            asked = time.monotonic()
+            held = gate()
+        if not pending and not held:
             notify("STATUS=")
             return 0
         waited = time.monotonic() - started
         names = ", ".join(str(e) for e in pending)
+        waiting = f"{names} {what}" if pending else held
         if time.monotonic() >= deadline:
-            detail = "; ".join(f"{e}: {reasons[e]}" for e in pending)
-            line = (f"{PROG}: gave up after {waited:.0f} s waiting for {names} {what} "
-                    f"({detail})")
+            detail = ("; ".join(f"{e}: {reasons[e]}" for e in pending) if pending
+                      else "the ports are ready")
+            line = f"{PROG}: gave up after {waited:.0f} s waiting for {waiting} ({detail})"
             notify(f"STATUS={line}")
             print(line, file=sys.stderr, flush=True)
             return 1
-        notify(f"STATUS=Waiting for {names} {what} ({waited:.0f} s of {timeout:g} s)")
+        notify(f"STATUS=Waiting for {waiting} ({waited:.0f} s of {timeout:g} s)")
         time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
+
+
+def version_gate(supervisor: str, replica: str, digest: str) -> Callable[[], str]:
+    """Why this rank must not join rank 0 yet, from the local supervisor's view ("": go;
+    also when no supervisor answers, or this unit carries no digest)."""
+    said = ""
+
+    def held() -> str:
+        nonlocal said
+        data = ask_replica(supervisor, replica, ASK_TIMEOUT, PROG) if digest else None
+        reason = leader_behind(rank_versions(data), digest) if data is not None else ""
+        if reason and reason != said:
+            print(f"{PROG}: {replica}: {reason}", flush=True)
+        said = reason
+        return reason
+    return held
 
 
 def _seconds(text: str) -> float:
@@ -113,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between tries (default 0.25)")
     parser.add_argument("--free", action="store_true",
                         help="wait until the ports can be bound (nobody listens) instead")
+    parser.add_argument("--same-version", metavar="REPLICA",
+                        help="also wait while the local supervisor sees rank 0 of REPLICA "
+                        f"about to restart onto the version in ${DIGEST_VAR} (a rank > 0's "
+                        "engine, docs/generator.md)")
+    parser.add_argument("--supervisor", metavar="HOST:PORT",
+                        help="the local supervisor's plain HTTP API (with --same-version)")
     return parser
 
 
@@ -133,7 +169,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(str(exc))
     if args.interval <= 0:
         parser.error("--interval must be more than 0 seconds")
-    sys.exit(wait(endpoints, args.timeout, args.interval, args.free))
+    gate = None
+    if (args.same_version is None) != (args.supervisor is None):
+        parser.error("--same-version and --supervisor go together")
+    if args.same_version is not None:
+        if args.free or not is_replica_name(args.same_version):
+            parser.error(f"--same-version: expected a replica's name, without --free; got "
+                         f"'{args.same_version}'")
+        if isinstance(parse_endpoint(args.supervisor), str):
+            parser.error(f"--supervisor: expected HOST:PORT; got '{args.supervisor}'")
+        gate = version_gate(args.supervisor, args.same_version,
+                            os.environ.get(DIGEST_VAR, ""))
+    sys.exit(wait(endpoints, args.timeout, args.interval, args.free, gate))
 
 
 if __name__ == "__main__":

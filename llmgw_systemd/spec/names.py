@@ -6,6 +6,10 @@ after; so each rule is written once, here."""
 SPEC_SUFFIXES = (".yaml", ".yml")
 _NODE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 MAX_NODE_NAME = 253  # a host name's length at most
+# Every member service carries the digest of its replica's units (units/plan.py,
+# spec_digest) in this variable: its supervisor reads it from the unit, a rank's
+# rendezvous wait from its own environment, an apply from the engine process's
+DIGEST_VAR = "LLMGW_SPEC_DIGEST"
 
 
 def is_spec_file(name: str) -> bool:

@@ -36,13 +36,14 @@ import h11
 
 from llmgw_systemd.errors import PeerError, one_line
 from llmgw_systemd.health.evidence import PeerShard
-from llmgw_systemd.health.rules import RANK_STATES
+from llmgw_systemd.health.rules import RANK_STATES, STATES
 from llmgw_systemd.spec.document import KeyPath, format_path
 from llmgw_systemd.spec.names import is_node_name, is_replica_name
 from llmgw_systemd.spec.reader import Reader
 from llmgw_systemd.units.plan import DIGEST_HEX, is_digest
 
 SHARDS_PATH = "/v1/shards"
+REPLICAS_PATH = "/v1/replicas"
 USER_AGENT = "llmgw-supervisor"
 MAX_SHARDS = 1000
 MAX_REASON = 2000
@@ -87,9 +88,71 @@ def fetch_shards(host: str, port: int, *, deadline: float, after: int | None = N
     target = SHARDS_PATH if after is None else f"{SHARDS_PATH}?after={after}&wait={_seconds(wait)}"
     fetch = _Fetch(host, port, deadline, clock)
     body, peer_cert = fetch.run(target, ssl_context, server_hostname or host, max_bytes)
+    node, version, shards = _parse_answer(wire_reader(fetch.where), _json(fetch, body))
+    return PeerAnswer(node, version, shards, peer_cert)
+
+
+@dataclass(frozen=True)
+class RankLine:
+    """One rank as a supervisor's replica view says it (GET /v1/replicas/NAME)."""
+
+    rank: int
+    node: str
+    state: str
+    reason: str
+    loaded_digest: str = ""
+    running_digest: str = ""
+
+
+@dataclass(frozen=True)
+class ReplicaAnswer:
+    """A supervisor's whole view of one replica: its state, whether a gateway should send
+    it requests, and every rank."""
+
+    state: str
+    reason: str
+    routable: bool
+    ranks: tuple[RankLine, ...]
+
+
+def fetch_replica(host: str, port: int, name: str, *, deadline: float,
+                  clock: Callable[[], float] = time.monotonic) -> ReplicaAnswer:
+    """GET /v1/replicas/NAME from the supervisor at host:port (this node's own, over
+    loopback: `llmgw-render --apply` asks it about the other ranks). PeerError on any
+    failure, as fetch_shards; a 404 means it does not watch the replica."""
+    _check_arguments(host, port, deadline, None, 0.0, 1 << 20)
+    if not is_replica_name(name):
+        raise ValueError(f"not a replica name: {name!r}")
+    fetch = _Fetch(host, port, deadline, clock)
+    body, _ = fetch.run(f"{REPLICAS_PATH}/{name}", None, host, 1 << 20)
+    wire = wire_reader(fetch.where)
+    answer = wire.mapping(_json(fetch, body), (), ("state", "reason", "routable", "ranks"),
+                          ("state", "reason", "routable", "ranks"), others=True)
+    ranks = []
+    for i, item in enumerate(wire.sequence(answer["ranks"], ("ranks",), "ranks",
+                                           max_len=MAX_SHARDS)):
+        path: KeyPath = ("ranks", i)
+        rank = wire.mapping(item, path, ("rank", "node", "state", "reason", "spec"),
+                            ("rank", "node", "state", "reason"), others=True)
+        ranks.append(RankLine(
+            rank=wire.integer(rank["rank"], (*path, "rank"), 0, _RANK_MAX, "a rank"),
+            node=_node_name(wire, rank["node"], (*path, "node")),
+            state=wire.choice(rank["state"], (*path, "state"), RANK_STATES),
+            reason=wire.string(rank["reason"], (*path, "reason"), "a reason", empty=True,
+                               max_len=MAX_REASON),
+            **_versions(wire, rank.get("spec"), (*path, "spec"))))
+    return ReplicaAnswer(
+        state=wire.choice(answer["state"], ("state",), STATES),
+        reason=wire.string(answer["reason"], ("reason",), "a reason", empty=True,
+                           max_len=MAX_REASON),
+        routable=wire.boolean(answer["routable"], ("routable",), "whether it is routable"),
+        ranks=tuple(ranks))
+
+
+def _json(fetch: _Fetch, body: bytes) -> Any:
     try:
-        document = json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicate_keys,
-                              parse_constant=_no_constant)
+        return json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicate_keys,
+                          parse_constant=_no_constant)
     except UnicodeDecodeError as exc:
         raise PeerError("malformed", f"{fetch.where}: the answer is not UTF-8: {exc}") from None
     except (ValueError, RecursionError) as exc:
@@ -97,8 +160,6 @@ def fetch_shards(host: str, port: int, *, deadline: float, after: int | None = N
         # int-digits limit; a deeply nested document hits the recursion limit
         raise PeerError("malformed", f"{fetch.where}: the answer is not JSON: "
                         f"{one_line(str(exc)) or type(exc).__name__}") from None
-    node, version, shards = _parse_answer(wire_reader(fetch.where), document)
-    return PeerAnswer(node, version, shards, peer_cert)
 
 
 # -- the exchange ------------------------------------------------------------------------

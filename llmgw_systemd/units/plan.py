@@ -36,6 +36,7 @@ from llmgw_systemd.spec.common_keys import (
 from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL, Endpoint, local_address
 from llmgw_systemd.spec.engines.base import KillMode, Step
 from llmgw_systemd.spec.model import Replica, Spec
+from llmgw_systemd.spec.names import DIGEST_VAR
 from llmgw_systemd.spec.policies import STOP_MARGIN, RestartPolicy
 
 UNIT_PREFIX = "llmgw-"
@@ -47,9 +48,6 @@ SLEEP = "/usr/bin/sleep"  # coreutils, at this path on Debian and RHEL alike
 START_TIMEOUT_MARGIN = 30
 UNSERVED_GRACE = 5  # seconds of SIGTERM for a serving rank that does not answer /health
 SUPERVISOR_UNIT = "llmgw-supervisor.service"  # packaging/systemd
-# Every member service carries the digest of the replica's units (spec_digest): the
-# version of the spec a rank's units were rendered from, as its supervisor reads it
-DIGEST_VAR = "LLMGW_SPEC_DIGEST"
 DIGEST_HEX = 16  # 64 bits: versions of one replica never collide in practice
 
 
@@ -193,6 +191,15 @@ def spec_digest(replica: Replica, manager: Manager) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:DIGEST_HEX]
 
 
+def ready_within(replica: Replica) -> int:
+    """How long `llmgw-render --apply` waits for a restarted replica to be routable again:
+    its drain and stop, its rendezvous (which bounds the start of every rank), the
+    group restart's first delay (the other nodes' ranks follow), and the stability a
+    rank must show before it counts as ready."""
+    return (replica.stop_timeout + replica.rendezvous_timeout + START_TIMEOUT_MARGIN
+            + replica.group_restart.delay + replica.health.stability)
+
+
 def digest_in(environment: Iterable[str]) -> str:
     """The spec digest among a unit's Environment= assignments ("NAME=value", as systemd
     reports them), or "" when it carries none (a unit rendered before digests)."""
@@ -225,7 +232,7 @@ def _plan_rank(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
     services = []
     for i, (name, step) in enumerate(zip(names, steps)):
         is_engine = name == engine
-        pre = _start_pre(step, replica, manager)
+        pre = _start_pre(step, replica, manager, joins=rank > 0 and is_engine)
         waits = [replica.rendezvous_timeout] if step.wait_for else []
         if step.frees:
             waits.append(replica.port_release_timeout)
@@ -391,16 +398,24 @@ def _shared_env(replica: Replica) -> tuple[tuple[str, str], ...]:
     return env
 
 
-def _start_pre(step: Step, replica: Replica, manager: Manager) -> tuple[tuple[str, ...], ...]:
+def _start_pre(step: Step, replica: Replica, manager: Manager, *, joins: bool
+               ) -> tuple[tuple[str, ...], ...]:
+    """The waits before a step starts: its ports free, then its rendezvous up. The engine
+    of a rank > 0 also waits while rank 0 is about to restart onto the version this
+    rank starts on (health/versions.py, leader_behind), as its node's supervisor sees
+    it: it would join a rank 0 that is about to go."""
     pre: list[tuple[str, ...]] = []
     if step.frees:
         pre.append(_wait_cmd(manager, replica.port_release_timeout, step.frees, free=True))
     if step.wait_for:
-        pre.append(_wait_cmd(manager, replica.rendezvous_timeout, step.wait_for, free=False))
+        same = (("--same-version", replica.name, "--supervisor", str(SUPERVISOR_LOCAL))
+                if joins else ())
+        pre.append(_wait_cmd(manager, replica.rendezvous_timeout, step.wait_for, free=False,
+                             extra=same))
     return tuple(pre)
 
 
-def _wait_cmd(manager: Manager, timeout: int, endpoints: tuple[Endpoint, ...], *, free: bool
-              ) -> tuple[str, ...]:
+def _wait_cmd(manager: Manager, timeout: int, endpoints: tuple[Endpoint, ...], *, free: bool,
+              extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     return (manager.wait_for_port, *(("--free",) if free else ()), "--timeout", str(timeout),
-            *(str(e) for e in endpoints))
+            *extra, *(str(e) for e in endpoints))

@@ -13,6 +13,11 @@ from installed import RENDER
 from specs import PYTHON, free_port, write, yaml_list
 from systemd_harness import UserManager, cgroup_pids, pid_alive, wait_until
 
+from llmgw_systemd.spec.document import parse
+from llmgw_systemd.spec.names import DIGEST_VAR
+from llmgw_systemd.spec.replicas import build_spec
+from llmgw_systemd.units.plan import ready_within
+
 pytestmark = pytest.mark.integration
 
 # A sidecar that forks a child, so "every process gone" covers more than main PIDs.
@@ -35,6 +40,26 @@ def replica(name: str, port: int, *extra: str) -> str:
             argv: {yaml_list(FORKS)}
           - argv: {yaml_list(serve)}
 """
+
+
+def waits(spec: Path, name: str) -> str:
+    """The end of a restart's line: the wait for the replica to be routable again."""
+    replica = next(r for r in build_spec([parse(spec.read_bytes(), str(spec))]).replicas
+                   if r.name == name)
+    return f"then waits up to {ready_within(replica)} s for it to be routable again"
+
+
+def digest_of_pid(pid: int) -> str:
+    """The spec digest an engine process started with (its own environment)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((v.split(b"=", 1)[1].decode() for v in environ
+                 if v.startswith(f"{DIGEST_VAR}=".encode())), "")
+
+
+def digest_of_unit(manager: UserManager, name: str) -> str:
+    environment = manager.show(f"llmgw-{name}-engine.service", "Environment")["Environment"]
+    return next((v.split("=", 1)[1] for v in environment.split()
+                 if v.startswith(f"{DIGEST_VAR}=")), "")
 
 
 def engine_pid(manager: UserManager, name: str) -> int:
@@ -67,8 +92,15 @@ def test_apply_restarts_only_what_changed_and_stops_what_left(one_node: UserMana
     # a changed argv restarts that replica only
     write(spec, "replicas:\n" + replica("a", a, "--directory", "/tmp") + replica("b", b))
     changed = one_node.apply(spec, "node")
+    # every member carries the replica's spec digest, so every member's file changes
     assert changed.stdout.splitlines() == [
-        "replica a: restarted (changed: llmgw-a-engine.service)", "replica b: nothing to do"]
+        "replica a: restarted (changed: llmgw-a-engine.service, llmgw-a-helper.service; "
+        f"{waits(spec, 'a')})", "replica b: nothing to do"]
+    # no supervisor on this node: it says it cannot wait for routable, and waits for the
+    # units to be active instead
+    assert ("cannot wait for replica a to be routable: no answer from this node's "
+            "supervisor") in changed.stderr
+    assert "replica a: its units here are active after" in changed.stderr
     wait_until(lambda: engine_pid(one_node, "a") != a_pid, 30, "a's engine to restart")
     assert "--directory /tmp" in one_node.show("llmgw-a-engine.service", "ExecStart")[
         "ExecStart"]
@@ -115,7 +147,8 @@ def test_a_new_replica_that_is_not_enabled_waits_for_start(one_node: UserManager
         "enable: true", "enable: false"))
     proc = one_node.apply(spec, "node", "--start")
     assert proc.stdout.splitlines() == [
-        "replica c: updated (changed: llmgw-c-engine.service; not running, so left stopped)"]
+        "replica c: updated (changed: llmgw-c-engine.service, llmgw-c-helper.service; not "
+        "running, so left stopped)"]
     assert one_node.state_of("llmgw-c-engine.service")[0] == "inactive"
 
 
@@ -128,18 +161,27 @@ def test_units_written_without_a_reload_count_as_changed(one_node: UserManager,
     pid = engine_pid(one_node, "d")
     write(spec, "replicas:\n" + replica("d", port, "--directory", "/tmp"))
     one_node.render(spec, "node")  # writes and reloads: systemd now knows the new file ...
+    # ... so nothing is stale any more, but the engine's own environment still carries
+    # the old spec digest: the apply restarts it
+    ran, carries = digest_of_pid(pid), digest_of_unit(one_node, "d")
+    assert ran and carries and ran != carries
     proc = one_node.apply(spec, "node")
-    # ... so nothing is stale any more, and the running process is the old one: the
-    # documented limit of reading NeedDaemonReload (docs/generator.md)
-    assert proc.stdout.splitlines() == ["replica d: nothing to do"]
-    assert engine_pid(one_node, "d") == pid
+    assert proc.stdout.splitlines() == [
+        f"replica d: restarted (its engine runs version {ran[:8]}, its units carry "
+        f"{carries[:8]}; {waits(spec, 'd')})"]
+    wait_until(lambda: engine_pid(one_node, "d") != pid, 30, "d to restart")
+    pid = engine_pid(one_node, "d")
+    assert digest_of_pid(pid) == carries
+    # and now the engine runs what its units carry: nothing to do
+    assert one_node.apply(spec, "node").stdout.splitlines() == ["replica d: nothing to do"]
 
     write(spec, "replicas:\n" + replica("d", port, "--directory", "/var"))
     subprocess.run([RENDER, "--user", "--node", "node", str(spec)], check=True,
                    capture_output=True, env=one_node.env, timeout=60)  # no reload this time
     proc = one_node.apply(spec, "node")
     assert proc.stdout.splitlines() == [
-        "replica d: restarted (its files changed since systemd last read them)"]
+        f"replica d: restarted (its files changed since systemd last read them; "
+        f"{waits(spec, 'd')})"]
     wait_until(lambda: engine_pid(one_node, "d") != pid, 30, "d to restart")
 
 

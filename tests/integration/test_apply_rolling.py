@@ -1,15 +1,20 @@
 """A change rolled across the nodes of a replica, one node at a time with
-llmgw-render --apply, while the supervisors watch: it ends ready, every rank running
-the new units (docs/generator.md, "Rolling a change across nodes")."""
+llmgw-render --apply, while the supervisors watch: the first node's apply stages it (both
+supervisors say so, the replica keeps serving), the last node's apply restarts the
+replica once, as a group, and waits until it is routable again; every rank ends on the
+new units (docs/generator.md, "Rolling a change")."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 from specs import free_port, two_node_replica
 from supervisors import SupervisorProcess, stop_and_show
 from systemd_harness import Nodes, UserManager, wait_until
+
+from llmgw_systemd.spec.names import DIGEST_VAR
 
 pytestmark = pytest.mark.integration
 
@@ -24,8 +29,32 @@ def engine_environ(manager: UserManager) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
 
 
-def test_a_change_applied_node_by_node_ends_ready_on_the_new_units(two_nodes: Nodes,
-                                                                   tmp_path: Path) -> None:
+class InvocationSampler:
+    """Every engine invocation seen on each node while the roll runs (systemd gives each
+    start of a unit a new InvocationID), sampled in a thread until stopped."""
+
+    def __init__(self, managers: dict[str, UserManager]) -> None:
+        self.managers = managers
+        self.seen: dict[str, list[str]] = {node: [] for node in managers}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopping.wait(0.3):
+            for node, manager in self.managers.items():
+                invocation = manager.show(ENGINE, "InvocationID")["InvocationID"]
+                if invocation and invocation not in self.seen[node]:
+                    self.seen[node].append(invocation)
+
+    def stop(self) -> dict[str, list[str]]:
+        self.stopping.set()
+        self.thread.join(timeout=30)
+        return self.seen
+
+
+def test_a_change_applied_node_by_node_stages_then_restarts_once(two_nodes: Nodes,
+                                                                  tmp_path: Path) -> None:
     spec = two_node_replica(tmp_path / "spec.yaml", name="rep",
                             leader=two_nodes.address("node-a"),
                             worker=two_nodes.address("node-b"), http=free_port(),
@@ -34,6 +63,7 @@ def test_a_change_applied_node_by_node_ends_ready_on_the_new_units(two_nodes: No
     base = spec.read_text() + """\
     health: {interval: 1, timeout: 1, stability: 2}
     group_restart: {delay: 1, max_delay: 4, budget: 6, window: 600}
+    drain: {delay: 1, timeout: 5}
 """
     spec.write_text(base)
     leader, worker = two_nodes["node-a"], two_nodes["node-b"]
@@ -41,6 +71,7 @@ def test_a_change_applied_node_by_node_ends_ready_on_the_new_units(two_nodes: No
     assert worker.apply(spec, "node-b", "--start").stdout == "replica rep: started (new)\n"
     assert leader.apply(spec, "node-a", "--start").stdout == "replica rep: started (new)\n"
     sups: list[SupervisorProcess] = []
+    sampler: InvocationSampler | None = None
     try:
         for manager, node in ((leader, "node-a"), (worker, "node-b")):
             assert manager.netns is not None
@@ -48,22 +79,66 @@ def test_a_change_applied_node_by_node_ends_ready_on_the_new_units(two_nodes: No
                                           listen=f"{manager.netns.address}:{API_PORT}"))
         a, b = sups
         a.wait_state("rep", "ready", 90, settled=True)
-        old = {node: int(m.show(ENGINE, "MainPID")["MainPID"])
-               for node, m in (("node-a", leader), ("node-b", worker))}
-
-        spec.write_text(base + "    env: {ROLLOUT: second}\n")
-        for manager, node in ((leader, "node-a"), (worker, "node-b")):
-            out = manager.apply(spec, node).stdout
-            assert out.startswith("replica rep: restarted (changed: "), out
-            assert engine_environ(manager).get("ROLLOUT") == "second"
-
-        ready = a.wait_state("rep", "ready", 120, settled=True)
-        assert [r["state"] for r in ready["ranks"]] == ["ready", "ready"]
         b.wait_state("rep", "ready", 60, settled=True)
+        old = {node: engine_environ(m)[DIGEST_VAR]
+               for node, m in (("node-a", leader), ("node-b", worker))}
+        sampler = InvocationSampler({"node-a": leader, "node-b": worker})
+
+        # the leader's node applies first: staged, nothing restarted, still serving
+        spec.write_text(base + "    env: {ROLLOUT: second}\n")
+        staged = leader.apply(spec, "node-a")
+        assert staged.stdout.startswith("replica rep: staged (changed: "), staged.stdout
+        assert staged.stdout.rstrip().endswith("(not yet: rank 1 on node-b))"), staged.stdout
+        new = digest_of_unit(leader)
+        assert new != old["node-a"] and f"version {new[:8]} " in staged.stdout
+        for sup in (a, b):
+            says_staged(sup)
+            assert sup.replica("rep")["state"] == "ready"
+        assert engine_environ(leader).get("ROLLOUT") is None  # still the old process
+
+        # a supervisor restarted mid-roll says the same: it is derived, not remembered
+        a.stop()
+        a.start()
+        a.wait_state("rep", "ready", 60)
+        says_staged(a)
+
+        # the worker's node applies last: one group restart, and the apply waits for it
+        last = worker.apply(spec, "node-b")
+        assert last.stdout.startswith("replica rep: restarted (changed: "), last.stdout
+        assert f"every rank carries version {new[:8]}: it restarts as a group" in last.stdout
+        assert "replica rep: routable again after " in last.stderr, last.stderr
+        # it returned only once the replica was routable, every rank on the new version
+        for sup in (b, a):
+            view = sup.replica("rep")
+            assert view["routable"], (sup.node, view)
+            assert view.get("staged", "") == "", view
+        seen = sampler.stop()
+        # the worker's rank restarted first, and waited at its rendezvous until rank 0 had
+        # restarted onto the new version, rather than join the rank 0 about to go
+        log = (worker.log_dir / ENGINE).with_suffix(".service.log").read_text()
+        assert (f"rep: rank 0 on node-a still runs version {old['node-a'][:8]}, and its "
+                f"units carry {new[:8]}: waiting for it to start on it") in log, log
         for manager, node in ((leader, "node-a"), (worker, "node-b")):
-            assert engine_environ(manager).get("ROLLOUT") == "second", node
-            assert int(manager.show(ENGINE, "MainPID")["MainPID"]) != old[node]
+            environ = engine_environ(manager)
+            assert (environ.get("ROLLOUT"), environ[DIGEST_VAR]) == ("second", new), node
             assert manager.show(ENGINE, "NeedDaemonReload")["NeedDaemonReload"] == "no"
-        wait_until(lambda: a.replica("rep")["state"] == "ready", 10, "ready to hold")
+            # one restart per engine for the whole roll: the old invocation, then the new
+            assert len(seen[node]) == 2, (node, seen[node])
+
+        # the roll is done: applying again anywhere does nothing
+        for manager, node in ((leader, "node-a"), (worker, "node-b")):
+            assert manager.apply(spec, node).stdout == "replica rep: nothing to do\n"
     finally:
+        if sampler is not None:
+            sampler.stop()
         stop_and_show(sups)
+
+
+def says_staged(sup: SupervisorProcess) -> None:
+    wait_until(lambda: sup.replica("rep").get("staged") == "staged: 1 of 2 nodes", 30,
+               f"{sup.node}'s supervisor to say staged")
+
+
+def digest_of_unit(manager: UserManager) -> str:
+    environment = manager.show(ENGINE, "Environment")["Environment"].split()
+    return next(v.split("=", 1)[1] for v in environment if v.startswith(f"{DIGEST_VAR}="))
