@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import ssl
 
     from llmgw_systemd.apply.rollout import SystemctlShow, Versions
+    from llmgw_systemd.health.versions import RankVersion
     from llmgw_systemd.supervisor.shard_reader import ShardStatus
 
 SYSTEM_UNIT_DIR = "/etc/systemd/system"
@@ -219,7 +220,8 @@ def _render_and_apply(directory: str, rendered: dict[str, str], plans: tuple[Sha
                 elif step.verb == "wait":
                     plan = next(p for p in plans if p.replica == step.replica)
                     _wait_routable(step.replica, step.digest, step.within, user_manager,
-                                   (plan.target.name, *(s.name for s in plan.services)))
+                                   (plan.target.name, *(s.name for s in plan.services)),
+                                   notice=step.notice)
                 else:
                     systemctl(user_manager, step.verb,
                               *(("--", *step.units) if step.units else ()))
@@ -258,15 +260,18 @@ def _versions(plans: Sequence[ShardPlan], replicas: dict[str, Replica],
             else:
                 behind = tuple(f"rank {r.rank} on {r.node}" for r in view.ranks
                                if r.rank != plan.rank and r.loaded_digest != plan.spec_digest)
+        replica = replicas[plan.replica]
         out[plan.replica] = Versions(plan.spec_digest, plan.ranks, running, behind, why,
-                                     ready_within(replicas[plan.replica]))
+                                     ready_within(replica), replica.drain.delay)
     return out
 
 
 def _wait_routable(name: str, digest: str, within: int, user_manager: bool,
-                   units: tuple[str, ...]) -> None:
+                   units: tuple[str, ...], *, notice: int) -> None:
     """Until the replica is routable again on its supervisor's cluster-wide view, every
-    rank running `digest`; without a supervisor, until its units here are active."""
+    rank running `digest`, and then `notice` seconds more, so that the gateways have it
+    back in rotation before anything else goes out; without a supervisor, until its
+    units here are active."""
     import time
 
     from llmgw_systemd.apply.systemctl import unit_states
@@ -286,8 +291,8 @@ def _wait_routable(name: str, digest: str, within: int, user_manager: bool,
                                      deadline=SUPERVISOR_ASK_TIMEOUT)
             except PeerError as exc:
                 supervised = False
-                click.echo(f"note: cannot wait for replica {name} to be routable: no answer "
-                           f"from this node's supervisor ({exc}); waiting for its units "
+                click.echo(f"note: cannot wait for replica {name} to be routable: this "
+                           f"node's supervisor does not say ({exc}); waiting for its units "
                            "to be active instead", err=True)
                 continue
             behind = [f"rank {r.rank} on {r.node}" for r in view.ranks
@@ -304,11 +309,15 @@ def _wait_routable(name: str, digest: str, within: int, user_manager: bool,
             last = f"not active: {', '.join(down)}"
         if time.monotonic() >= ends:
             raise NotBackError(f"replica {name} was not routable again within {within} s "
-                               f"of its restart ({last}); nothing after it was restarted")
+                               f"of its restart ({last})")
         time.sleep(WAIT_POLL)
-    click.echo(f"replica {name}: routable again after {time.monotonic() - started:.0f} s"
-               if supervised else f"replica {name}: its units here are active after "
-               f"{time.monotonic() - started:.0f} s", err=True)
+    if not supervised:
+        click.echo(f"replica {name}: its units here are active after "
+                   f"{time.monotonic() - started:.0f} s", err=True)
+        return
+    click.echo(f"replica {name}: routable again after {time.monotonic() - started:.0f} s; "
+               f"{notice} s more for the gateways to take it back into rotation", err=True)
+    time.sleep(notice)
 
 
 def _generator_notes(rendered: dict[str, str], user_manager: bool) -> list[str]:
@@ -411,15 +420,19 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
             statuses = read_status(bus, shards, probes, int(time.monotonic() * 1e6))
         finally:
             bus.close()
+        versions = {s.replica: _local_version(s, shard.plan.services[-1].name)
+                    for s, shard in zip(statuses, shards)}
         if cluster:
-            _print_cluster([s.replica for s in shards], node_name, statuses, as_json,
-                           peer_port=peer_port, timeout=peer_timeout, tls=tls)
+            _print_cluster([s.replica for s in shards], node_name, statuses, versions,
+                           as_json, peer_port=peer_port, timeout=peer_timeout, tls=tls)
     except LlmgwError as exc:
         _fail("llmgw-systemd status", exc)
     if as_json:
         click.echo(json.dumps([{
             "replica": s.replica, "rank": s.rank, "ranks": s.ranks, "node": s.node,
             "state": s.health.state, "reason": s.health.reason,
+            "spec": {"loaded": versions[s.replica].loaded,
+                     "running": versions[s.replica].running},
             "units": {u.name: {"active": u.active_state, "sub": u.sub_state,
                                "result": u.result, "restarts": u.n_restarts}
                       for u in s.units}} for s in statuses], indent=2))
@@ -429,7 +442,25 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
             for s in statuses])
         for line in _drain_notes([s.replica for s in statuses], user_manager):
             click.echo(line)
+        for replica, v in versions.items():
+            if v.staged:
+                click.echo(f"replica {replica}: staged on this node: its engine runs "
+                           f"{v.running[:8]}, its units carry {v.loaded[:8]}; it restarts "
+                           "once when the last of its nodes applies (--cluster: how many)")
     sys.exit(0 if all(s.health.state == READY for s in statuses) else 3)
+
+
+def _local_version(status: ShardStatus, engine: str) -> RankVersion:
+    """This node's rank's spec versions: what its engine unit carries, and what the
+    engine process started with (its own environment)."""
+    from llmgw_systemd.apply.systemctl import running_digest
+    from llmgw_systemd.health.versions import RankVersion
+
+    unit = next((u for u in status.units if u.name == engine), None)
+    if unit is None:
+        return RankVersion(status.rank, status.node)
+    return RankVersion(status.rank, status.node, unit.spec_digest,
+                       running_digest(unit.main_pid))
 
 
 def _drain_notes(replicas: list[str], user_manager: bool) -> list[str]:
@@ -464,14 +495,19 @@ def _cluster_tls(cert: str | None, key: str | None, ca: str | None
 
 
 def _print_cluster(replicas: list[Replica], node: str, statuses: list[ShardStatus],
-                   as_json: bool, *, peer_port: int, timeout: float,
-                   tls: ssl.SSLContext | None) -> NoReturn:
+                   versions: dict[str, RankVersion], as_json: bool, *, peer_port: int,
+                   timeout: float, tls: ssl.SSLContext | None) -> NoReturn:
     """Ask every other node's supervisor once, in parallel, then one table."""
     import json
     from concurrent.futures import ThreadPoolExecutor
 
     from llmgw_systemd.errors import PeerError
-    from llmgw_systemd.health.cluster_view import PeerView, all_ready, cluster_rows
+    from llmgw_systemd.health.cluster_view import (
+        PeerView,
+        all_ready,
+        cluster_rows,
+        staged_lines,
+    )
     from llmgw_systemd.supervisor.peer_client import fetch_shards
     from llmgw_systemd.supervisor.tls import names_node
 
@@ -500,6 +536,8 @@ def _print_cluster(replicas: list[Replica], node: str, statuses: list[ShardStatu
         _table([("REPLICA", "RANK", "NODE", "STATE", "SOURCE", "REASON")] + [
             (r.replica, f"{r.rank}/{r.ranks}", r.node, r.state, r.source, r.reason)
             for r in rows])
+        for line in staged_lines(replicas, node, versions, views):
+            click.echo(line)
     sys.exit(0 if all_ready(rows) else 3)
 
 

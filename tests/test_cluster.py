@@ -3,11 +3,20 @@ its own supervisor, and `unknown` (with why) whenever that answer cannot be beli
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from llmgw_systemd.health.cluster_view import PeerView, Row, all_ready, cluster_rows
+from llmgw_systemd.health.cluster_view import (
+    PeerView,
+    Row,
+    all_ready,
+    cluster_rows,
+    staged_lines,
+)
 from llmgw_systemd.health.evidence import PeerShard
 from llmgw_systemd.health.rules import State
+from llmgw_systemd.health.versions import RankVersion
 from llmgw_systemd.spec.document import parse
 from llmgw_systemd.spec.replicas import build_spec
 
@@ -52,3 +61,30 @@ def test_from_the_other_node_the_roles_swap() -> None:
                         {"a": "10.0.0.1:9470"})
     assert [(r.node, r.state, r.source) for r in rows] == [
         ("a", "ready", "supervisor on a (plain HTTP)"), ("b", "degraded", "systemd")]
+
+
+OLD, NEW = "1" * 16, "2" * 16
+
+
+@pytest.mark.parametrize(("mine", "peer", "lines"), [
+    # this node applied first: staged here, the peer still on the old version
+    (RankVersion(0, "a", NEW, OLD), PeerView("b", (replace(B_READY, loaded_digest=OLD,
+                                                           running_digest=OLD),)),
+     ["replica rep: staged: 1 of 2 nodes (rank 0 on a runs 11111111, its units carry "
+      "22222222; it restarts once when the last of its nodes applies)"]),
+    # both staged (the generator reloaded both nodes)
+    (RankVersion(0, "a", NEW, OLD), PeerView("b", (replace(B_READY, loaded_digest=NEW,
+                                                           running_digest=OLD),)),
+     ["replica rep: staged: 2 of 2 nodes (rank 0 on a runs 11111111, its units carry "
+      "22222222, rank 1 on b runs 11111111, its units carry 22222222; it restarts once "
+      "when the last of its nodes applies)"]),
+    # one version everywhere: nothing to say
+    (RankVersion(0, "a", NEW, NEW), PeerView("b", (replace(B_READY, loaded_digest=NEW,
+                                                           running_digest=NEW),)), []),
+    # a peer whose answer is not believed says nothing of its versions
+    (RankVersion(0, "a", NEW, NEW), PeerView("b", (replace(B_READY, loaded_digest=NEW,
+                                                           running_digest=OLD),),
+                                             authenticated=False, tls=True), []),
+])
+def test_staged_lines(mine: RankVersion, peer: PeerView, lines: list[str]) -> None:
+    assert staged_lines(REPLICAS, "a", {"rep": mine}, {"b": peer}) == lines

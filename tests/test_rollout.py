@@ -121,12 +121,12 @@ def test_order_across_replicas_stops_first_and_starts_last() -> None:
 
 
 NEW, OLD = "a1" * 8, "b2" * 8  # spec digests: what the units carry now, what ran before
-WAIT = Step("wait", (T,), replica="a", digest=NEW, within=90)
+WAIT = Step("wait", (T,), replica="a", digest=NEW, within=90, notice=5)
 
 
 def two_ranks(behind: tuple[str, ...] | None, running: str = OLD, why: str = "") -> Versions:
     return Versions(NEW, ranks=2, running=running, behind=behind, unknown_why=why,
-                    ready_within=90)
+                    ready_within=90, notice=5)
 
 
 @pytest.mark.parametrize(("kind", "version", "wait", "steps", "line"), [
@@ -161,7 +161,7 @@ def two_ranks(behind: tuple[str, ...] | None, running: str = OLD, why: str = "")
      "replica a: restarted (changed: llmgw-a-engine.service; --no-wait: restarted at once, "
      "whatever the other ranks carry)"),
     # one node: no other rank to wait for, a wait for it to come back
-    ("changed", Versions(NEW, running=OLD, ready_within=90), True,
+    ("changed", Versions(NEW, running=OLD, ready_within=90, notice=5), True,
      [Step("write"), Step("daemon-reload"), Step("restart", (T,)), WAIT],
      "replica a: restarted (changed: llmgw-a-engine.service; then waits up to 90 s for it "
      "to be routable again)"),

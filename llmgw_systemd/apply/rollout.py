@@ -103,6 +103,9 @@ class Versions:
     behind: tuple[str, ...] | None = ()
     unknown_why: str = ""
     ready_within: int = 0  # seconds to wait for it to be routable after a restart
+    # seconds it is left routable before the apply goes on: the gateways take it back
+    # into rotation (its drain delay: how long they take to notice a change either way)
+    notice: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ class Step:
     replica: str = ""
     digest: str = ""
     within: int = 0
+    notice: int = 0
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,8 @@ def decide(replicas: Sequence[ReplicaFiles], states: Mapping[str, SystemctlShow]
             restarts.append(Step("restart", (replica.target,)))
             if wait and version is not None:
                 restarts.append(Step("wait", (replica.target,), replica=replica.name,
-                                     digest=version.digest, within=version.ready_within))
+                                     digest=version.digest, within=version.ready_within,
+                                     notice=version.notice))
                 detail += (f"; then waits up to {version.ready_within} s for it to be "
                            "routable again")
             outcomes.append(Outcome(replica.name, f"restarted{also}",

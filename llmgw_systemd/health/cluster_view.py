@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from llmgw_systemd.health.evidence import PeerShard
 from llmgw_systemd.health.rules import READY, UNKNOWN, State
+from llmgw_systemd.health.versions import SHOWN, RankVersion, staged_line
 from llmgw_systemd.spec.model import Replica
 
 
@@ -56,6 +57,35 @@ def cluster_rows(replicas: Sequence[Replica], node: str,
                                                address.get(member.name, member.address))
             rows.append(Row(replica.name, rank, n, member.name, state, reason, source))
     return rows
+
+
+def staged_lines(replicas: Sequence[Replica], node: str, local: Mapping[str, RankVersion],
+                 peers: Mapping[str, PeerView]) -> list[str]:
+    """One line per replica that waits for the one restart of a roll: `staged: N of M
+    nodes`, and which ranks are staged. local: replica -> this node's rank's versions;
+    a peer's versions count only from an answer whose rows count (as _peer_rank)."""
+    lines = []
+    for replica in replicas:
+        versions = []
+        for rank, member in enumerate(replica.nodes):
+            if member.name == node:
+                versions.append(local.get(replica.name, RankVersion(rank, node)))
+                continue
+            view = peers.get(member.name)
+            believed = (view is not None and not view.error and view.node == member.name
+                        and (view.authenticated or not view.tls))
+            shard = next((s for s in view.shards if s.replica == replica.name
+                          and s.rank == rank), None) if believed and view else None
+            versions.append(RankVersion(rank, member.name, shard.loaded_digest,
+                                        shard.running_digest) if shard is not None
+                            else RankVersion(rank, member.name))
+        line = staged_line(versions)
+        if line:
+            lines.append(f"replica {replica.name}: {line} (" + ", ".join(
+                f"rank {v.rank} on {v.node} runs {v.running[:SHOWN]}, its units carry "
+                f"{v.loaded[:SHOWN]}" for v in versions if v.staged)
+                + "; it restarts once when the last of its nodes applies)")
+    return lines
 
 
 def _peer_rank(replica: str, rank: int, node: str, view: PeerView | None, where: str

@@ -10,7 +10,8 @@ than the scenarios): provisioned, configured and rebooted once, then
    files delivered by LoadCredential=, and refuse a peer with a wrong certificate;
 3. Ray with `ray_auth: token`, the token a credential; a worker with another token stays
    out and says why;
-4. `llmgw-render --apply` against PID 1;
+4. `llmgw-render --apply` against PID 1; a change the generator stages on both nodes,
+   restarted once by `systemctl restart` of rank 0's target;
 5. one node of an mp replica rebooted, then powered off hard, under load;
 6. the package upgraded over the running one, then removed.
 A failing scenario prints each node's units and journal (@reported).
@@ -269,22 +270,22 @@ def solo_spec(extra_args: str = "") -> str:
 """
 
 
-def duo_spec() -> str:
+def duo_spec(env: str = "") -> str:
     """A replica across both nodes that costs nothing: each rank sleeps."""
-    return """replicas:
+    return f"""replicas:
   - name: duo
     engine: command
-    enable: true
+    enable: true{env}
     serving_rank: null
-    health: {stability: 2}
-    restart: {delay: 1, burst: 10, interval: 600}
-    group_restart: {delay: 1, max_delay: 4, budget: 5, window: 600}
+    health: {{stability: 2}}
+    restart: {{delay: 1, burst: 10, interval: 600}}
+    group_restart: {{delay: 1, max_delay: 4, budget: 5, window: 600}}
     ranks:
-      - commands: [{argv: [/usr/bin/sleep, infinity]}]
-      - commands: [{argv: [/usr/bin/sleep, infinity]}]
+      - commands: [{{argv: [/usr/bin/sleep, infinity]}}]
+      - commands: [{{argv: [/usr/bin/sleep, infinity]}}]
     nodes:
-      - {name: node-a, address: 198.51.100.1}
-      - {name: node-b, address: 198.51.100.2}
+      - {{name: node-a, address: 198.51.100.1}}
+      - {{name: node-b, address: 198.51.100.2}}
 """
 
 
@@ -693,6 +694,48 @@ def test_apply_against_pid1_restarts_the_changed_only_and_stops_the_removed(
     # it was stopped before its files went: the stop came before the reload
     journal = a.journal("-o", "cat", "_PID=1")
     assert journal.rindex("Stopped llmgw-gone-engine.service") < journal.rindex("Reloading")
+
+
+@reported
+def test_a_change_the_generator_stages_restarts_each_rank_once_when_asked(
+        cluster: Cluster) -> None:
+    """The generator path (a spec edited, daemon-reload) stages a change and restarts
+    nothing; `systemctl restart` of the target on rank 0's node then restarts the
+    replica once: rank 1 rejoins it on its new units (docs/generator.md)."""
+    engine = "llmgw-duo-engine.service"
+    for node in cluster.nodes:
+        wait_until(lambda n=node: state_of(n, "duo") == "ready", 60,  # type: ignore[misc]
+                   f"duo ready on {node.name}", 0.5)
+
+    def invocations() -> str:
+        return " ".join(n.show(engine, "InvocationID")["InvocationID"] for n in cluster.nodes)
+
+    def staged(node: Node) -> str:
+        return str(replica(node, "duo").get("staged", ""))
+
+    with Sampler(invocations, 0.3) as sampler:
+        for count, node in enumerate(cluster.nodes, 1):
+            node.write(f"{SPECS}/duo.yaml", duo_spec("\n    env: {ROLLOUT: second}"))
+            node.systemctl("daemon-reload")
+            for viewer in cluster.nodes:
+                wait_until(lambda v=viewer, c=count: staged(v)  # type: ignore[misc]
+                           == f"staged: {c} of 2 nodes", 30,
+                           f"{viewer.name} to say staged on {count} node(s)", 0.5)
+                assert state_of(viewer, "duo") == "ready"
+        time.sleep(3)  # staged everywhere, and still nothing restarts by itself
+        assert len(sampler.states()) == 1, sampler.seen
+        cluster.a.systemctl("restart", "llmgw-duo.target")
+        for node in cluster.nodes:
+            wait_until(lambda n=node: "ROLLOUT=second" in n.run(  # type: ignore[misc]
+                "cat", f"/proc/{main_pid(n, engine)}/environ").stdout, 60,
+                f"{node.name}'s engine to run the new version", 0.5)
+        for node in cluster.nodes:
+            wait_until(lambda n=node: state_of(n, "duo") == "ready"  # type: ignore[misc]
+                       and staged(n) == "", 60, f"duo ready, not staged, on {node.name}", 0.5)
+        time.sleep(2)
+    # each rank's engine: the old start, then one new one
+    starts = [[ids.split()[k] for _, ids in sampler.seen] for k in range(2)]
+    assert [len(dict.fromkeys(s)) for s in starts] == [2, 2], sampler.seen
 
 
 # -- 5. reboot and power loss --------------------------------------------------------------

@@ -25,15 +25,26 @@ FORKS = [PYTHON, "-c", "import subprocess, time; subprocess.Popen(['/usr/bin/sle
          "'infinity']); time.sleep(1e9)"]
 
 
-def replica(name: str, port: int, *extra: str) -> str:
-    serve = [PYTHON, "-m", "http.server", str(port), "--bind", "127.0.0.1", *extra]
+# Small bounds, so that the wait for a replica that never comes back ends in ~40 s.
+TIGHT = """\
+    stop_timeout: 6
+    rendezvous_timeout: 1
+    drain: {delay: 0, timeout: 1}
+    health: {stability: 0}
+    group_restart: {delay: 1}
+"""
+
+
+def replica(name: str, port: int, *extra: str, argv: list[str] | None = None,
+            keys: str = "") -> str:
+    serve = argv or [PYTHON, "-m", "http.server", str(port), "--bind", "127.0.0.1", *extra]
     return f"""\
   - name: {name}
     engine: command
     port: {port}
     enable: true
     restart: {{delay: 1, burst: 5, interval: 120}}
-    nodes: [{{name: node, address: 127.0.0.1}}]
+{keys}    nodes: [{{name: node, address: 127.0.0.1}}]
     ranks:
       - commands:
           - name: helper
@@ -42,11 +53,15 @@ def replica(name: str, port: int, *extra: str) -> str:
 """
 
 
+def within(spec: Path, name: str) -> int:
+    """How long an apply waits for the replica to be routable again (from its spec)."""
+    return ready_within(next(r for r in build_spec([parse(spec.read_bytes(), str(spec))])
+                             .replicas if r.name == name))
+
+
 def waits(spec: Path, name: str) -> str:
     """The end of a restart's line: the wait for the replica to be routable again."""
-    replica = next(r for r in build_spec([parse(spec.read_bytes(), str(spec))]).replicas
-                   if r.name == name)
-    return f"then waits up to {ready_within(replica)} s for it to be routable again"
+    return f"then waits up to {within(spec, name)} s for it to be routable again"
 
 
 def digest_of_pid(pid: int) -> str:
@@ -98,8 +113,8 @@ def test_apply_restarts_only_what_changed_and_stops_what_left(one_node: UserMana
         f"{waits(spec, 'a')})", "replica b: nothing to do"]
     # no supervisor on this node: it says it cannot wait for routable, and waits for the
     # units to be active instead
-    assert ("cannot wait for replica a to be routable: no answer from this node's "
-            "supervisor") in changed.stderr
+    assert ("cannot wait for replica a to be routable: this node's supervisor does not "
+            "say (") in changed.stderr
     assert "replica a: its units here are active after" in changed.stderr
     wait_until(lambda: engine_pid(one_node, "a") != a_pid, 30, "a's engine to restart")
     assert "--directory /tmp" in one_node.show("llmgw-a-engine.service", "ExecStart")[
@@ -209,3 +224,40 @@ def test_apply_refuses_a_folder_the_manager_does_not_read(one_node: UserManager,
                                   f"the user manager reads units from; '{out}' is not one of ")
     assert not out.exists()
     assert os.listdir(one_node.unit_dir) == ["llmgw-.service.d"]
+
+
+def test_a_replica_not_back_in_time_ends_the_apply_and_a_rerun_finishes(
+        one_node: UserManager, tmp_path: Path) -> None:
+    a, b = free_port(), free_port()
+    spec = tmp_path / "spec.yaml"
+    write(spec, "replicas:\n" + replica("a", a, keys=TIGHT) + replica("b", b))
+    one_node.apply(spec, "node")
+    b_pid = engine_pid(one_node, "b")
+    # a's new engine cannot start at all; b changes too, and comes after a
+    write(spec, "replicas:\n" + replica("a", a, argv=["/nonexistent/engine"], keys=TIGHT)
+          + replica("b", b, "--directory", "/tmp"))
+    failed = one_node.apply(spec, "node", check=False)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    error = failed.stderr.splitlines()[-1]
+    assert error.startswith(
+        f"llmgw-render: error: replica a was not routable again within {within(spec, 'a')} s "
+        "of its restart (not active: llmgw-a-helper.service, llmgw-a-engine.service) (done "
+        "before it: "), error
+    assert error.endswith("; nothing after it was done"), error
+    assert failed.stdout == ""  # no line claims what did not finish
+    # b was written and reloaded, but not restarted: its engine runs the old version
+    assert engine_pid(one_node, "b") == b_pid
+    assert digest_of_pid(b_pid) != digest_of_unit(one_node, "b")
+
+    # the fix, applied again: a comes back, and b, whose engine still runs the old
+    # version, is restarted now although none of its files changes
+    write(spec, "replicas:\n" + replica("a", a, keys=TIGHT)
+          + replica("b", b, "--directory", "/tmp"))
+    fixed = one_node.apply(spec, "node")
+    lines = fixed.stdout.splitlines()
+    assert lines[0].startswith("replica a: restarted (changed: llmgw-a-engine.service"), lines
+    assert lines[1].startswith("replica b: restarted (its engine runs version "), lines
+    b_new = engine_pid(one_node, "b")
+    assert b_new != b_pid and digest_of_pid(b_new) == digest_of_unit(one_node, "b")
+    assert one_node.apply(spec, "node").stdout.splitlines() == [
+        "replica a: nothing to do", "replica b: nothing to do"]

@@ -95,6 +95,15 @@ def test_a_change_applied_node_by_node_stages_then_restarts_once(two_nodes: Node
             says_staged(sup)
             assert sup.replica("rep")["state"] == "ready"
         assert engine_environ(leader).get("ROLLOUT") is None  # still the old process
+        # and the operator's status says so, from systemd alone and across the nodes
+        was = old["node-a"][:8]
+        local = a.cli("status")
+        assert local.returncode == 0, local.stdout + local.stderr
+        assert (f"replica rep: staged on this node: its engine runs {was}, its units carry "
+                f"{new[:8]}") in local.stdout, local.stdout
+        cluster = a.cli("status", "--cluster")
+        assert (f"replica rep: staged: 1 of 2 nodes (rank 0 on node-a runs {was}, its units "
+                f"carry {new[:8]}; ") in cluster.stdout, cluster.stdout + cluster.stderr
 
         # a supervisor restarted mid-roll says the same: it is derived, not remembered
         a.stop()

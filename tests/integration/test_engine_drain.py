@@ -21,6 +21,12 @@ They serve every scenario, in file order:
    of rotation within the delay, back within HAProxy's rise checks.
 4. Failures never wait: SIGKILL of every process of rank 1 is waiting to restart within
    a moment, with no drain step.
+5. A spec change (a variable in every engine's environment) rolled node by node with
+   `llmgw-render --apply`, as docs/generator.md shows: node-a's apply stages `tp`; node-b's
+   restarts `tp` once, as a group, waits until it is routable again, then restarts
+   `standby` and waits for it. Not one request fails, `tp` or `standby` is in HAProxy's
+   rotation in every sample, each engine restarts exactly once, and every engine process
+   runs the new environment.
 
 Bounds here are the test's, never asserted figures: bench/drain.py measures."""
 
@@ -45,6 +51,7 @@ from loadbalancer import (
     not_in_rotation,
     out_window,
     summary,
+    transitions,
 )
 from realengine import ENGINE_ARGS, MODEL, VENV, assert_engines, complete, env_yaml, manager_pids
 from specs import PYTHON, free_port, write, yaml_list
@@ -66,8 +73,10 @@ NODES = {"one": ("node-a",), "tp": ("node-a", "node-b"), "standby": ("node-b",)}
 VLLM_REPLICAS = {"one", "tp"}
 
 
-def spec_text(ports: dict[str, int], master: int, delay: int = DELAY, timeout: int = TIMEOUT
-              ) -> str:
+def spec_text(ports: dict[str, int], master: int, delay: int = DELAY, timeout: int = TIMEOUT,
+              rollout: str = "") -> str:
+    """rollout: a value for ROLLOUT in every engine's environment (a spec change)."""
+    extra = {"ROLLOUT": rollout} if rollout else {}
     common = f"""\
     drain: {{delay: {delay}, timeout: {timeout}}}
     restart: {{delay: 2, burst: 20, interval: 900}}
@@ -78,7 +87,7 @@ def spec_text(ports: dict[str, int], master: int, delay: int = DELAY, timeout: i
     launch_mode: mp
     model: {MODEL}
     virtualenv: {VENV}
-    env: {env_yaml()}
+    env: {env_yaml(extra)}
     args: {ENGINE_ARGS}
     stop_timeout: 20
     group_restart: {{delay: 1, max_delay: 8, budget: 10, window: 900}}
@@ -104,6 +113,7 @@ replicas:
     port: {ports["standby"]}
     progress: {{steps: [completion_steps_total], pending: [completion_running]}}
 {common}    nodes: [{{name: node-b, address: 192.0.2.2}}]
+    env: {env_yaml(extra)}
     ranks:
       - commands:
           - argv: {yaml_list(standby)}
@@ -117,6 +127,9 @@ class Cluster:
     sups: dict[str, SupervisorProcess]
     lb: HAProxy
     hub: str
+    spec: Path
+    ports: dict[str, int]
+    master: int
 
     def traffic(self, seconds: float = 900) -> Traffic:
         return Traffic(self.lb.url, clients=CLIENTS, seconds=seconds, timeout=60,
@@ -159,7 +172,8 @@ def running(nodes: Nodes, tmp: Path, delay: int = DELAY, timeout: int = TIMEOUT
     afterwards every unit stopped and nothing left."""
     assert_engines()
     ports = {r: free_port() for r in ("one", "tp", "standby")}
-    spec = write(tmp / "spec.yaml", spec_text(ports, free_port(), delay, timeout))
+    master = free_port()
+    spec = write(tmp / "spec.yaml", spec_text(ports, master, delay, timeout))
     sups: list[SupervisorProcess] = []
     lb: HAProxy | None = None
     try:
@@ -178,7 +192,7 @@ def running(nodes: Nodes, tmp: Path, delay: int = DELAY, timeout: int = TIMEOUT
         lb = HAProxy(tmp / "lb", servers, netns=hub, port=8080).start(timeout=30)
         lb.wait_until_up("standby", timeout=60)
         base = {r: f"http://{ADDRESS[n]}:{ports[r]}" for r, n in serving.items()}
-        yield Cluster(nodes, base, {s.node: s for s in sups}, lb, hub)
+        yield Cluster(nodes, base, {s.node: s for s in sups}, lb, hub, spec, ports, master)
         for node in ADDRESS:
             nodes[node].systemctl("stop", *(f"llmgw-{r}.target" for r in ports
                                              if node in NODES[r]))
@@ -375,3 +389,102 @@ def test_a_killed_rank_restarts_without_a_drain(cluster: Cluster) -> None:
     said = cluster.step_lines("node-b", "tp")[steps:]
     assert all(line.endswith(": no drain") for line in said), said
     cluster.serving("tp")  # and the group serves again
+
+
+def engine_environ(manager: UserManager, replica: str) -> dict[str, str]:
+    pid = int(manager.show(f"llmgw-{replica}-engine.service", "MainPID")["MainPID"])
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+ENGINES = (("node-a", "tp"), ("node-b", "tp"), ("node-b", "standby"))
+ROLLED = ("tp", "standby")  # the replicas in rotation during a roll
+
+
+@dataclass(frozen=True)
+class Roll:
+    """One spec change rolled node by node under the load (roll())."""
+
+    requests: list[Request]
+    lines: dict[str, list[str]]  # node: what its apply printed
+    applies: dict[str, float]  # node: seconds its apply took
+    samples: list[tuple[float, frozenset[str] | None]]
+    invocations: dict[tuple[str, str], set[str]]  # (node, replica): engine starts seen
+    took: float  # from the first apply until every rolled replica is back in rotation
+
+    @property
+    def failed(self) -> list[Request]:
+        return [r for r in self.requests if r.status != 200]
+
+    def fewest_in_rotation(self) -> int:
+        return min(len((up or frozenset()) & set(ROLLED)) for _, up in self.samples)
+
+    def restarts(self) -> dict[str, int]:
+        """Per engine, how many times it started during the roll."""
+        return {f"{r}@{n}": len(ids) - 1 for (n, r), ids in self.invocations.items()}
+
+    def out_of_rotation(self, server: str) -> float:
+        """Seconds `server` spent out of HAProxy's rotation during the roll."""
+        changes = transitions(self.samples, server)
+        out = 0.0
+        for (at, up), (after, _) in zip(changes, [*changes[1:], (self.samples[-1][0], True)]):
+            out += after - at if not up else 0.0
+        return out
+
+
+def roll(cluster: Cluster, value: str, *extra: str) -> Roll:
+    """ROLLOUT=value into every engine's environment, applied on node-a, then node-b
+    (`llmgw-render --apply EXTRA`), under the load; until every rolled replica serves
+    again and is back in HAProxy's rotation."""
+    cluster.serving("tp")
+    seen = {(n, r): {cluster.nodes[n].show(f"llmgw-{r}-engine.service", "InvocationID")
+                     ["InvocationID"]} for n, r in ENGINES}
+
+    def invocations() -> str:
+        for node, replica in ENGINES:
+            now = cluster.nodes[node].show(f"llmgw-{replica}-engine.service",
+                                           "InvocationID")["InvocationID"]
+            if now:
+                seen[(node, replica)].add(now)
+        return ""
+    write(cluster.spec, spec_text(cluster.ports, cluster.master, rollout=value))
+    lines, applies = {}, {}
+    with Sampler(cluster.lb, interval=0.25, limit=1800) as sampler, \
+            cluster.traffic(seconds=1800) as traffic, StateSampler(invocations, 0.5):
+        time.sleep(3)
+        started = time.monotonic()
+        for node in ("node-a", "node-b"):
+            begun = time.monotonic()
+            lines[node] = cluster.nodes[node].apply(cluster.spec, node, *extra).stdout \
+                .splitlines()
+            applies[node] = time.monotonic() - begun
+        for replica in ROLLED:
+            wait_until(functools.partial(cluster.completes, replica), BACK,
+                       f"{replica} to complete", interval=1)
+            cluster.lb.wait_until_up(replica, timeout=BACK)
+        took = time.monotonic() - started
+        time.sleep(3)
+        requests = traffic.finish()
+    return Roll(requests, lines, applies, list(sampler.samples), seen, took)
+
+
+def test_a_change_rolled_node_by_node_fails_nothing(cluster: Cluster) -> None:
+    done = roll(cluster, "second")
+    first, last = done.lines["node-a"], done.lines["node-b"]
+    print(f"figure: roll over two nodes: {summary(done.requests)}; applies took "
+          f"{done.applies}; fewest in rotation {done.fewest_in_rotation()}; restarts "
+          f"{done.restarts()}; {first} {last}")
+    assert first[0].startswith("replica one: updated (changed: "), first
+    assert first[0].endswith("; not running, so left stopped)"), first
+    assert first[1].startswith("replica tp: staged (changed: "), first
+    assert last[0].startswith("replica tp: restarted (changed: "), last
+    assert last[1].startswith("replica standby: restarted (changed: "), last
+    assert not done.failed, done.failed[:5]
+    # never both out of rotation: every sample has tp or standby in it
+    assert done.fewest_in_rotation() >= 1, [
+        (round(at, 1), up) for at, up in done.samples
+        if not (up or frozenset()) & set(ROLLED)][:10]
+    for node, replica in ENGINES:
+        assert engine_environ(cluster.nodes[node], replica).get("ROLLOUT") == "second"
+    # one restart per engine for the whole roll
+    assert done.restarts() == {"tp@node-a": 1, "tp@node-b": 1, "standby@node-b": 1}
