@@ -6,12 +6,13 @@ new units (docs/generator.md, "Rolling a change")."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 from specs import free_port, two_node_replica
-from supervisors import SupervisorProcess, stop_and_show
+from supervisors import LLMGW_SYSTEMD, SupervisorProcess, stop_and_show
 from systemd_harness import Nodes, UserManager, wait_until
 
 from llmgw_systemd.spec.names import DIGEST_VAR
@@ -97,11 +98,11 @@ def test_a_change_applied_node_by_node_stages_then_restarts_once(two_nodes: Node
         assert engine_environ(leader).get("ROLLOUT") is None  # still the old process
         # and the operator's status says so, from systemd alone and across the nodes
         was = old["node-a"][:8]
-        local = a.cli("status")
+        local = status(leader, spec, "node-a")
         assert local.returncode == 0, local.stdout + local.stderr
         assert (f"replica rep: staged on this node: its engine runs {was}, its units carry "
                 f"{new[:8]}") in local.stdout, local.stdout
-        cluster = a.cli("status", "--cluster")
+        cluster = status(leader, spec, "node-a", "--cluster")
         assert (f"replica rep: staged: 1 of 2 nodes (rank 0 on node-a runs {was}, its units "
                 f"carry {new[:8]}; ") in cluster.stdout, cluster.stdout + cluster.stderr
 
@@ -141,6 +142,16 @@ def test_a_change_applied_node_by_node_stages_then_restarts_once(two_nodes: Node
         if sampler is not None:
             sampler.stop()
         stop_and_show(sups)
+
+
+def status(manager: UserManager, spec: Path, node: str, *extra: str
+           ) -> subprocess.CompletedProcess[str]:
+    """`llmgw-systemd status` as an operator on the node runs it, in its namespace."""
+    assert manager.netns is not None
+    return subprocess.run(["ip", "netns", "exec", manager.netns.name, LLMGW_SYSTEMD, "status",
+                           "--user", "--node", node, "--spec", str(spec), *extra],
+                          capture_output=True, text=True, env=manager.env, timeout=60,
+                          check=False, stdin=subprocess.DEVNULL)
 
 
 def says_staged(sup: SupervisorProcess) -> None:
