@@ -23,8 +23,8 @@ They serve every scenario, in file order:
    a moment, with no drain step.
 5. A spec change (a variable in every engine's environment) rolled node by node with
    `llmgw-render --apply`, as docs/generator.md shows: node-a's apply stages `tp`; node-b's
-   restarts `tp` once, as a group, waits until it is routable again, then restarts
-   `standby` and waits for it. Not one request fails, `tp` or `standby` is in HAProxy's
+   restarts its changed replicas one at a time (`tp` once, as a group), each waited for
+   until it is routable again. Not one request fails, `tp` or `standby` is in HAProxy's
    rotation in every sample, each engine restarts exactly once, and every engine process
    runs the new environment.
 
