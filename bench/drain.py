@@ -38,7 +38,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
 
 import test_engine_drain as scenario  # noqa: E402
 from realengine import VLLM_VERSION, assert_engines  # noqa: E402
-from systemd_harness import Nodes, UserManager, make_network, remove_network  # noqa: E402
+from systemd_harness import Nodes, two_node_network  # noqa: E402
 
 MODES = {"off": (0, 0), "on": (scenario.DELAY, scenario.TIMEOUT)}
 
@@ -91,20 +91,11 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-drain-") as tmp_dir:
         tmp = Path(tmp_dir)
-        managers: dict[str, UserManager] = {}
-        try:
-            for name, ns in zip(("node-a", "node-b"), make_network(tag, 2)):
-                managers[name] = UserManager(f"llmgw-bench-{tag}-{name}", tmp / name, netns=ns)
-                managers[name].start()
-            nodes = Nodes(managers)
+        with two_node_network("llmgw-bench", tag, tmp) as nodes:
             for mode in MODES:
                 started = time.monotonic()
                 results[mode] = one_mode(nodes, tmp, mode, args.rounds)
                 print(f"(drain {mode}: {time.monotonic() - started:.0f} s)", flush=True)
-        finally:
-            for manager in managers.values():
-                manager.stop()
-            remove_network(tag)
     for kind, title in (("one", "restart of a one-node replica"),
                         ("worker", "restart of tp's worker node"),
                         ("crash", "SIGKILL of one's engine")):

@@ -37,7 +37,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
 
 import test_engine_drain as scenario  # noqa: E402
 from realengine import VLLM_VERSION, assert_engines  # noqa: E402
-from systemd_harness import Nodes, UserManager, make_network, remove_network  # noqa: E402
+from systemd_harness import two_node_network  # noqa: E402
 
 MODES = {"baseline (--no-wait)": ("baseline", ("--no-wait",)), "rolled": ("rolled", ())}
 
@@ -63,19 +63,11 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-rollout-") as tmp_dir:
         tmp = Path(tmp_dir)
-        managers: dict[str, UserManager] = {}
-        try:
-            for name, ns in zip(("node-a", "node-b"), make_network(tag, 2)):
-                managers[name] = UserManager(f"llmgw-bench-{tag}-{name}", tmp / name, netns=ns)
-                managers[name].start()
-            with scenario.running(Nodes(managers), tmp) as cluster:
-                for mode, (value, extra) in MODES.items():
-                    results[mode] = scenario.roll(cluster, value, *extra)
-                    print(f"({mode}: {figures(results[mode])})", flush=True)
-        finally:
-            for manager in managers.values():
-                manager.stop()
-            remove_network(tag)
+        with two_node_network("llmgw-bench", tag, tmp) as nodes, \
+                scenario.running(nodes, tmp) as cluster:
+            for mode, (value, extra) in MODES.items():
+                results[mode] = scenario.roll(cluster, value, *extra)
+                print(f"({mode}: {figures(results[mode])})", flush=True)
     print("a change rolled over node-a, then node-b (tp over both, standby on node-b)")
     for mode, roll in results.items():
         print(f"  {mode:<22} {figures(roll)}")

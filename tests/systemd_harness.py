@@ -18,7 +18,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -452,3 +452,32 @@ def read_json(path: Path, timeout: float = 20) -> dict[str, object]:
     wait_until(path.exists, timeout, f"{path} to be written")
     data: dict[str, object] = json.loads(path.read_text(encoding="utf-8"))
     return data
+
+
+@contextlib.contextmanager
+def two_node_network(prefix: str, tag: str, base: Path,
+                     failed: Callable[[], bool] = lambda: False) -> Iterator[Nodes]:
+    """Two managers, each in its own network namespace, joined by a bridge: node-a at
+    192.0.2.1 and node-b at 192.0.2.2, named PREFIX-TAG-NODE, their state under base;
+    stopped and the network removed afterwards (each manager dumped first if failed())."""
+    managers: dict[str, UserManager] = {}
+    try:
+        network = make_network(tag, 2)
+        for name, ns in zip(("node-a", "node-b"), network):
+            manager = UserManager(f"{prefix}-{tag}-{name}", base / name, netns=ns)
+            managers[name] = manager
+            manager.start()
+        yield Nodes(managers)
+    finally:
+        if failed():
+            for manager in managers.values():
+                print(manager.dump())
+        errors = []
+        for manager in managers.values():
+            try:
+                manager.stop()
+            except AssertionError as exc:
+                errors.append(str(exc))
+        remove_network(tag)
+        assert not [n for n in list_netns() if n.startswith(f"llmgw-{tag}-")]
+        assert not errors, errors

@@ -31,38 +31,49 @@ def state_path(directory: str) -> str:
     return os.path.join(directory, FILE_NAME)
 
 
-def load_restarts(directory: str) -> tuple[dict[str, tuple[float, ...]], str]:
-    """The recorded restart times per replica, and a warning ("" if none). A missing
-    file is an empty record; an unreadable one is reported and treated as empty."""
-    path = state_path(directory)
+def _load(directory: str, file_name: str, key: str, what: str
+          ) -> tuple[dict[object, object] | None, str]:
+    """The mapping under `key` in a format FORMAT state file, or None and a warning
+    ("" for a missing file, an empty record)."""
+    path = os.path.join(directory, file_name)
     try:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
     except FileNotFoundError:
-        return {}, ""
+        return None, ""
     except (OSError, ValueError) as exc:
-        return {}, f"cannot read {path}, starting with no recorded group restarts: {exc}"
-    restarts = data.get("restarts") if isinstance(data, dict) else None
-    if not isinstance(restarts, dict) or data.get("format") != FORMAT:
-        return {}, f"{path}: not a format {FORMAT} state file; ignored"
+        return None, f"cannot read {path}, starting with no recorded {what}: {exc}"
+    found = data.get(key) if isinstance(data, dict) else None
+    if not isinstance(found, dict) or data.get("format") != FORMAT:
+        return None, f"{path}: not a format {FORMAT} state file; ignored"
+    return found, ""
+
+
+def _save(directory: str, file_name: str, key: str, record: object) -> None:
+    """Replace a state file atomically: a crash leaves the old file or the new one."""
+    body = json.dumps({"format": FORMAT, key: record}, indent=1).encode()
+    try:
+        write_atomically(directory, file_name, body)
+    except OSError as exc:
+        raise StateError(f"cannot write {os.path.join(directory, file_name)}: "
+                         f"{exc.strerror or exc}") from None
+
+
+def load_restarts(directory: str) -> tuple[dict[str, tuple[float, ...]], str]:
+    """The recorded restart times per replica, and a warning ("" if none). A missing
+    file is an empty record; an unreadable one is reported and treated as empty."""
+    restarts, warning = _load(directory, FILE_NAME, "restarts", "group restarts")
     out: dict[str, tuple[float, ...]] = {}
-    for name, times in restarts.items():
+    for name, times in (restarts or {}).items():
         if isinstance(name, str) and isinstance(times, list) and all(
                 isinstance(t, (int, float)) and not isinstance(t, bool) for t in times):
             out[name] = tuple(float(t) for t in times[-MAX_TIMES:])
-    return out, ""
+    return out, warning
 
 
 def save_restarts(directory: str, restarts: Mapping[str, tuple[float, ...]]) -> None:
-    """Replace the record atomically: a crash leaves the old file or the new one."""
-    body = json.dumps({"format": FORMAT, "restarts": {
-        name: list(times[-MAX_TIMES:]) for name, times in sorted(restarts.items())}},
-        indent=1).encode()
-    try:
-        write_atomically(directory, FILE_NAME, body)
-    except OSError as exc:
-        raise StateError(f"cannot write {state_path(directory)}: {exc.strerror or exc}"
-                         ) from None
+    _save(directory, FILE_NAME, "restarts", {
+        name: list(times[-MAX_TIMES:]) for name, times in sorted(restarts.items())})
 
 
 VERSIONS_FILE = "spec-versions.json"
@@ -72,31 +83,14 @@ MAX_VERSIONS = 10_000  # engine starts remembered; far more than the shards of a
 def load_versions(directory: str) -> tuple[dict[str, str], str]:
     """The spec version each recorded engine start began with (InvocationID -> digest),
     and a warning ("" if none); an unreadable file is reported and treated as empty."""
-    path = os.path.join(directory, VERSIONS_FILE)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except FileNotFoundError:
-        return {}, ""
-    except (OSError, ValueError) as exc:
-        return {}, f"cannot read {path}, starting with no recorded spec versions: {exc}"
-    starts = data.get("starts") if isinstance(data, dict) else None
-    if not isinstance(starts, dict) or data.get("format") != FORMAT:
-        return {}, f"{path}: not a format {FORMAT} state file; ignored"
-    return {k: v for k, v in list(starts.items())[-MAX_VERSIONS:]
-            if isinstance(k, str) and isinstance(v, str)}, ""
+    starts, warning = _load(directory, VERSIONS_FILE, "starts", "spec versions")
+    return {k: v for k, v in list((starts or {}).items())[-MAX_VERSIONS:]
+            if isinstance(k, str) and isinstance(v, str)}, warning
 
 
 def save_versions(directory: str, starts: Mapping[str, str]) -> None:
-    """Replace the record atomically (the caller keeps only the starts still running)."""
-    body = json.dumps({"format": FORMAT, "starts": dict(sorted(starts.items()))},
-                      indent=1).encode()
-    try:
-        write_atomically(directory, VERSIONS_FILE, body)
-    except OSError as exc:
-        raise StateError(f"cannot write {os.path.join(directory, VERSIONS_FILE)}: "
-                         f"{exc.strerror or exc}") from None
-
+    """Replace the record (the caller keeps only the starts still running)."""
+    _save(directory, VERSIONS_FILE, "starts", dict(sorted(starts.items())))
 
 def write_atomically(directory: str, name: str, body: bytes, *, dir_mode: int = 0o700,
                      file_mode: int = 0o600) -> str:

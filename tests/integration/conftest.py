@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
-from systemd_harness import Nodes, UserManager, list_netns, make_network, remove_network
+from systemd_harness import Nodes, UserManager, two_node_network
 
 
 @pytest.hookimpl(wrapper=True)
@@ -39,38 +38,11 @@ def one_node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[UserMan
         manager.stop()
 
 
-@contextlib.contextmanager
-def _nodes(tag: str, base: Path, failed: Callable[[], bool]) -> Iterator[Nodes]:
-    """Two managers, each in its own network namespace, joined by a bridge:
-    node-a at 192.0.2.1 and node-b at 192.0.2.2. Their state under base."""
-    managers: dict[str, UserManager] = {}
-    try:
-        network = make_network(tag, 2)
-        for name, ns in zip(("node-a", "node-b"), network):
-            manager = UserManager(f"llmgw-test-{tag}-{name}", base / name, netns=ns)
-            managers[name] = manager
-            manager.start()
-        yield Nodes(managers)
-    finally:
-        if failed():
-            for manager in managers.values():
-                print(manager.dump())
-        errors = []
-        for manager in managers.values():
-            try:
-                manager.stop()
-            except AssertionError as exc:
-                errors.append(str(exc))
-        remove_network(tag)
-        assert not [n for n in list_netns() if n.startswith(f"llmgw-{tag}-")]
-        assert not errors, errors
-
-
 @pytest.fixture
 def two_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Nodes]:
     """Two nodes for one test."""
     tag = f"{os.getpid() % 10000}{abs(hash(request.node.nodeid)) % 100}"
-    with _nodes(tag, tmp_path, lambda: _failed(request)) as nodes:
+    with two_node_network("llmgw-test", tag, tmp_path, lambda: _failed(request)) as nodes:
         yield nodes
 
 
@@ -81,6 +53,6 @@ def shared_two_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
     serve several scenarios in turn (the module's fixtures then run them in file order)."""
     tag = f"{os.getpid() % 10000}m{abs(hash(request.node.nodeid)) % 10}"
     failures = request.session.testsfailed
-    with _nodes(tag, tmp_path_factory.mktemp("nodes"),
+    with two_node_network("llmgw-test", tag, tmp_path_factory.mktemp("nodes"),
                 lambda: request.session.testsfailed > failures) as nodes:
         yield nodes
