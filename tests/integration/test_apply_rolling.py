@@ -2,7 +2,8 @@
 llmgw-render --apply, while the supervisors watch: the first node's apply stages it (both
 supervisors say so, the replica keeps serving), the last node's apply restarts the
 replica once, as a group, and waits until it is routable again; every rank ends on the
-new units (docs/generator.md, "Rolling a change")."""
+new units (docs/generator.md, "Rolling a change"). Then --no-wait on one node mixes two
+versions, which never count as ready, until the other node applies."""
 
 from __future__ import annotations
 
@@ -138,6 +139,22 @@ def test_a_change_applied_node_by_node_stages_then_restarts_once(two_nodes: Node
         # the roll is done: applying again anywhere does nothing
         for manager, node in ((leader, "node-a"), (worker, "node-b")):
             assert manager.apply(spec, node).stdout == "replica rep: nothing to do\n"
+
+        # --no-wait on the leader alone, as before rolling: rank 0 restarts onto a third
+        # version, rank 1 comes back on its old units, and the two never count as ready
+        spec.write_text(base + "    env: {ROLLOUT: third}\n")
+        hasty = leader.apply(spec, "node-a", "--no-wait").stdout
+        assert hasty.startswith("replica rep: restarted (changed: "), hasty
+        assert "--no-wait: restarted at once, whatever the other ranks carry" in hasty
+        for sup in (a, b):
+            sup.wait_state("rep", "degraded", 60,
+                           reason="ranks run different versions of the spec")
+        # the worker's apply ends it: every rank on the third version, ready
+        last = worker.apply(spec, "node-b")
+        assert "replica rep: routable again after " in last.stderr, last.stderr
+        assert engine_environ(worker).get("ROLLOUT") == "third"
+        assert engine_environ(leader).get("ROLLOUT") == "third"
+        a.wait_state("rep", "ready", 30)
     finally:
         if sampler is not None:
             sampler.stop()
