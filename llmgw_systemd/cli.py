@@ -239,7 +239,7 @@ def _versions(plans: Sequence[ShardPlan], replicas: dict[str, Replica],
     """Per replica of this node, its spec versions as an apply can know them: what its
     engine here started with (its own environment), and which other ranks' units do not
     carry the new version yet (this node's supervisor's view)."""
-    from llmgw_systemd.apply.rollout import Versions
+    from llmgw_systemd.apply.rollout import Versions, behind_ranks
     from llmgw_systemd.apply.systemctl import running_digest
     from llmgw_systemd.errors import PeerError
     from llmgw_systemd.supervisor.peer_client import fetch_replica
@@ -258,8 +258,9 @@ def _versions(plans: Sequence[ShardPlan], replicas: dict[str, Replica],
             except PeerError as exc:
                 behind, why = None, f"this node's supervisor: {exc}"
             else:
-                behind = tuple(f"rank {r.rank} on {r.node}" for r in view.ranks
-                               if r.rank != plan.rank and r.loaded_digest != plan.spec_digest)
+                behind, why = behind_ranks([(r.rank, r.node, r.loaded_digest)
+                                            for r in view.ranks if r.rank != plan.rank],
+                                           plan.spec_digest)
         replica = replicas[plan.replica]
         out[plan.replica] = Versions(plan.spec_digest, plan.ranks, running, behind, why,
                                      ready_within(replica), replica.drain.delay)
@@ -295,8 +296,10 @@ def _wait_routable(name: str, digest: str, within: int, user_manager: bool,
                            f"node's supervisor does not say ({exc}); waiting for its units "
                            "to be active instead", err=True)
                 continue
+            # a rank that reports no version (a supervisor of an earlier release) is
+            # judged by the replica's state alone
             behind = [f"rank {r.rank} on {r.node}" for r in view.ranks
-                      if r.running_digest != digest]
+                      if r.running_digest not in ("", digest)]
             if view.routable and not behind:
                 break
             last = (f"{view.state}: {view.reason}" if not behind or view.state != "ready"

@@ -10,6 +10,7 @@ from llmgw_systemd.apply.rollout import (
     Step,
     SystemctlShow,
     Versions,
+    behind_ranks,
     decide,
     group_files,
 )
@@ -173,6 +174,20 @@ def test_staging_and_waiting(kind: str, version: Versions, wait: bool, steps: li
                      start_new=False, versions={"a": version}, wait=wait)
     assert list(rollout.steps) == steps
     assert [o.line(dry_run=False) for o in rollout.outcomes] == [line]
+
+
+@pytest.mark.parametrize(("others", "behind", "why"), [
+    ([(1, "node-b", OLD)], ("rank 1 on node-b",), ""),  # not applied there yet: stage
+    ([(1, "node-b", NEW)], (), ""),  # this node is the last: restart
+    ([(1, "node-b", NEW), (2, "node-c", OLD)], ("rank 2 on node-c",), ""),
+    # a supervisor of an earlier release (or a rank not heard from) reports no version:
+    # nobody could tell which node is last, so nothing may wait for it
+    ([(1, "node-b", ""), (2, "node-c", OLD)], None, "rank 1 on node-b: no version reported"),
+    ([], (), ""),
+])
+def test_which_ranks_are_behind(others: list[tuple[int, str, str]],
+                                behind: tuple[str, ...] | None, why: str) -> None:
+    assert behind_ranks(others, NEW) == (behind, why)
 
 
 def test_stopped_replica_is_updated_not_staged() -> None:

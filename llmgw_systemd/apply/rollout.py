@@ -279,6 +279,19 @@ def decide(replicas: Sequence[ReplicaFiles], states: Mapping[str, SystemctlShow]
     return Rollout(tuple(steps), tuple(outcomes))
 
 
+def behind_ranks(others: Sequence[tuple[int, str, str]], digest: str
+                 ) -> tuple[tuple[str, ...] | None, str]:
+    """Which other ranks' units do not carry `digest` yet, from (rank, node, loaded
+    digest) as this node's supervisor reports them; None, and why, when some rank's
+    version is not known (a supervisor of an earlier release, a node not heard from):
+    then nobody can tell which node is last, and the apply restarts at once."""
+    unknown = [f"rank {rank} on {node}" for rank, node, loaded in others if not loaded]
+    if unknown:
+        return None, f"{', '.join(unknown)}: no version reported"
+    return tuple(f"rank {rank} on {node}" for rank, node, loaded in others
+                 if loaded != digest), ""
+
+
 def _staged(version: Versions | None) -> str:
     """Why a changed, running replica that spans nodes is only staged here ("": it
     restarts now): some other rank's units do not carry the new version yet."""
