@@ -16,6 +16,7 @@ from llmgw_systemd.errors import BadInput, LlmgwError, NoShard, UsageError
 from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL
 from llmgw_systemd.spec.files import read_documents
 from llmgw_systemd.spec.model import Replica
+from llmgw_systemd.spec.names import DIGEST_SHOWN
 from llmgw_systemd.spec.replicas import build_spec
 from llmgw_systemd.supervisor.drain_requests import DEFAULT_STATE_DIR
 from llmgw_systemd.units.install import (
@@ -275,6 +276,7 @@ def _wait_routable(name: str, digest: str, within: int, user_manager: bool,
     units here are active."""
     import time
 
+    from llmgw_systemd.apply.rollout import not_back_yet
     from llmgw_systemd.apply.systemctl import unit_states
     from llmgw_systemd.errors import NotBackError, PeerError
     from llmgw_systemd.supervisor.peer_client import fetch_replica
@@ -296,14 +298,11 @@ def _wait_routable(name: str, digest: str, within: int, user_manager: bool,
                            f"node's supervisor does not say ({exc}); waiting for its units "
                            "to be active instead", err=True)
                 continue
-            # a rank that reports no version (a supervisor of an earlier release) is
-            # judged by the replica's state alone
-            behind = [f"rank {r.rank} on {r.node}" for r in view.ranks
-                      if r.running_digest not in ("", digest)]
-            if view.routable and not behind:
+            last = not_back_yet(view.state, view.reason, view.routable,
+                                [(r.rank, r.node, r.running_digest) for r in view.ranks],
+                                digest)
+            if not last:
                 break
-            last = (f"{view.state}: {view.reason}" if not behind or view.state != "ready"
-                    else f"{', '.join(behind)} not yet on version {digest[:8]}")
         else:
             states = unit_states(user_manager, list(units))
             down = [u for u in units if states.get(u) is None or states[u].active != "active"]
@@ -448,7 +447,8 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
         for replica, v in versions.items():
             if v.staged:
                 click.echo(f"replica {replica}: staged on this node: its engine runs "
-                           f"{v.running[:8]}, its units carry {v.loaded[:8]}; it restarts "
+                           f"{v.running[:DIGEST_SHOWN]}, its units carry "
+                           f"{v.loaded[:DIGEST_SHOWN]}; it restarts "
                            "once when the last of its nodes applies (--cluster: how many)")
     sys.exit(0 if all(s.health.state == READY for s in statuses) else 3)
 

@@ -70,7 +70,7 @@ MAY_IMPORT = {
     "errors": set(),
     "spec": {"errors"},
     "units": {"errors", "spec"},
-    "apply": {"errors", "units"},
+    "apply": {"errors", "spec.names", "units"},
     "generator": {"errors", "spec", "units"},
     "health": {"errors", "spec"},
     # the supervisor plans unit names (units.plan) but never writes units

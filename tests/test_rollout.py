@@ -13,6 +13,7 @@ from llmgw_systemd.apply.rollout import (
     behind_ranks,
     decide,
     group_files,
+    not_back_yet,
 )
 from llmgw_systemd.apply.systemctl import parse_show
 from llmgw_systemd.spec.document import parse
@@ -188,6 +189,23 @@ def test_staging_and_waiting(kind: str, version: Versions, wait: bool, steps: li
 def test_which_ranks_are_behind(others: list[tuple[int, str, str]],
                                 behind: tuple[str, ...] | None, why: str) -> None:
     assert behind_ranks(others, NEW) == (behind, why)
+
+
+@pytest.mark.parametrize(("state", "routable", "running", "why"), [
+    ("ready", True, [NEW, NEW], ""),  # back: the wait ends
+    ("busy", True, [NEW, NEW], ""),
+    # routable, but a rank still on the old version: not back (a view before the rejoin)
+    ("ready", True, [NEW, OLD], "rank 1 on node-b not yet on version a1a1a1a1"),
+    ("starting", False, [NEW, ""], "starting: rank 1 on node-b waits for its rendezvous"),
+    ("degraded", False, [NEW, OLD], "degraded: rank 1 on node-b waits for its rendezvous"),
+    # a rank that reports no version (an earlier release): the replica's state decides
+    ("ready", True, [NEW, ""], ""),
+])
+def test_when_a_restarted_replica_is_back(state: str, routable: bool, running: list[str],
+                                          why: str) -> None:
+    ranks = [(k, ("node-a", "node-b")[k], digest) for k, digest in enumerate(running)]
+    assert not_back_yet(state, "rank 1 on node-b waits for its rendezvous", routable, ranks,
+                        NEW) == why
 
 
 def test_stopped_replica_is_updated_not_staged() -> None:

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from llmgw_systemd.spec.names import DIGEST_SHOWN as SHOWN
 from llmgw_systemd.units.header import replica_of
 from llmgw_systemd.units.plan import ShardPlan
 
@@ -43,7 +44,6 @@ RUNNING_STATES = frozenset({"active", "activating", "reloading"})
 UP_STATES = RUNNING_STATES | {"deactivating"}
 ENABLED_STATES = frozenset({"enabled", "enabled-runtime"})
 CHANGED_NAMES_SHOWN = 3
-SHOWN = 8  # hex digits of a spec digest in a line
 
 
 @dataclass(frozen=True)
@@ -290,6 +290,21 @@ def behind_ranks(others: Sequence[tuple[int, str, str]], digest: str
         return None, f"{', '.join(unknown)}: no version reported"
     return tuple(f"rank {rank} on {node}" for rank, node, loaded in others
                  if loaded != digest), ""
+
+
+def not_back_yet(state: str, reason: str, routable: bool,
+                 ranks: Sequence[tuple[int, str, str]], digest: str) -> str:
+    """Why a restarted replica does not count as back yet ("": it does), from its
+    supervisor's view: routable, and every rank running `digest` (ranks: rank, node,
+    running digest). A rank that reports no version (a supervisor of an earlier release)
+    is judged by the replica's state alone."""
+    behind = [f"rank {rank} on {node}" for rank, node, running in ranks
+              if running not in ("", digest)]
+    if routable and not behind:
+        return ""
+    if behind and state == "ready":
+        return f"{', '.join(behind)} not yet on version {digest[:SHOWN]}"
+    return f"{state}: {reason}"
 
 
 def _staged(version: Versions | None) -> str:

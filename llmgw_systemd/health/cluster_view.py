@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from llmgw_systemd.health.evidence import PeerShard
 from llmgw_systemd.health.rules import READY, UNKNOWN, State
-from llmgw_systemd.health.versions import SHOWN, RankVersion, staged_line
+from llmgw_systemd.health.versions import RankVersion, staged_line
 from llmgw_systemd.spec.model import Replica
+from llmgw_systemd.spec.names import DIGEST_SHOWN as SHOWN
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SHOWN = 8  # hex digits of a digest in a reason: enough to tell versions apart
+from llmgw_systemd.spec.names import DIGEST_SHOWN as SHOWN
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ MAX_NODE_NAME = 253  # a host name's length at most
 # spec_digest) in this variable: its supervisor reads it from the unit, a rank's
 # rendezvous wait from its own environment, an apply from the engine process's
 DIGEST_VAR = "LLMGW_SPEC_DIGEST"
+DIGEST_SHOWN = 8  # hex digits of a digest in a line for people: enough to tell versions apart
 
 
 def is_spec_file(name: str) -> bool:
