@@ -20,8 +20,6 @@ from collections.abc import Callable, Sequence
 
 from llmgw_systemd import __version__
 from llmgw_systemd.errors import BadInput
-from llmgw_systemd.health.versions import leader_behind
-from llmgw_systemd.helpers.local_api import ask_replica, rank_versions
 from llmgw_systemd.helpers.sd_notify import notify
 from llmgw_systemd.spec.endpoint import Endpoint, parse_endpoint
 from llmgw_systemd.spec.names import DIGEST_VAR, is_replica_name
@@ -105,6 +103,11 @@ def wait(endpoints: Sequence[Endpoint], timeout: float, interval: float, free: b
 def version_gate(supervisor: str, replica: str, digest: str) -> Callable[[], str]:
     """Why this rank must not join rank 0 yet, from the local supervisor's view ("": go;
     also when no supervisor answers, or this unit carries no digest)."""
+    # imported here, not at the top: http.client doubles the interpreter's start-up, and
+    # a SIGTERM before main() installs its handler fails the unit (docs/engines.md)
+    from llmgw_systemd.health.versions import leader_behind
+    from llmgw_systemd.helpers.local_api import ask_replica, rank_versions
+
     said = ""
 
     def held() -> str:
