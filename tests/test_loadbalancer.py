@@ -11,6 +11,7 @@ believes only the cluster CA's certificate for that node. Everything listens on 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -34,7 +35,12 @@ from llmgw_systemd.supervisor.tls import TlsFiles, server_context
 
 pytestmark = pytest.mark.integration
 
-INTER, FALL, RISE = 1, 1, 2  # the doc's check timing (test_doc_check_timing holds it to this)
+# the doc's check timing (test_doc_check_timing holds it to this): seconds between checks,
+# milliseconds between checks once one has gone the other way, checks to go out and back
+INTER, FASTINTER_MS, FALL, RISE = 1, 250, 2, 2
+OUT = INTER + FASTINTER_MS / 1000 * (FALL - 1)  # seconds from the first 503 to out
+BACK = INTER + FASTINTER_MS / 1000 * (RISE - 1)  # seconds from the first 200 to back
+CHECK_TIMEOUT = 3  # `timeout check`: seconds a check waits for the answer once connected
 SETTLE = 5  # seconds of slack on top of a bound, for a loaded machine: never an assertion
 
 
@@ -114,6 +120,7 @@ class Supervisor:
 
     def __init__(self, ready: dict[str, bool], tls: TlsFiles | None = None) -> None:
         self.ready = ready
+        self.stall_next = 0.0  # seconds the next answer waits before it is given
         self.answers: list[tuple[float, str, int]] = []
         self.clients: list[dict[str, Any]] = []
         self.log: list[str] = []
@@ -140,6 +147,10 @@ class Supervisor:
                 or parts[3] not in self.ready:
             return Response(404, b"no such replica\n", "text/plain")
         name = parts[3]
+        with self.lock:
+            stall, self.stall_next = self.stall_next, 0.0
+        if stall:
+            await asyncio.sleep(stall)
         code = 200 if self.ready[name] else 503
         with self.lock:  # counted before HAProxy can have read it
             self.answers.append((time.monotonic(), name, code))
@@ -169,13 +180,35 @@ def server(name: str, engine: Engine, supervisor: Supervisor, node: str = "") ->
 def test_doc_check_timing(tmp_path: Path) -> None:
     """The doc's server line is the timing these tests reason with."""
     lb = HAProxy(tmp_path, [Server("rep", "127.0.0.1", 1, "127.0.0.1", 2)])
-    assert f"inter {INTER}s fall {FALL} rise {RISE}" in lb.text
+    assert f"inter {INTER}s fastinter {FASTINTER_MS}ms fall {FALL} rise {RISE}" in lb.text
+    assert f"timeout check {CHECK_TIMEOUT}s" in lb.text
     for line in ("option httpchk", "http-check expect status 200", "retries 3",
                  "option redispatch", "retry-on conn-failure"):
         assert line in lb.text
 
 
-def test_one_503_takes_it_out_and_two_200s_bring_it_back(tmp_path: Path) -> None:
+def test_one_check_that_times_out_leaves_a_healthy_replica_in_rotation(tmp_path: Path
+                                                                      ) -> None:
+    """One slow answer (here past `timeout check`; in CI a TLS handshake past `inter`) is
+    one failed check: HAProxy checks again a `fastinter` later, gets 200, and the replica
+    never leaves rotation. With `fall 1` it would have."""
+    engine, supervisor = Engine("rep-a"), Supervisor({"rep-a": True})
+    with running(engine, supervisor), \
+            HAProxy(tmp_path, [server("rep-a", engine, supervisor)]) as lb, \
+            Sampler(lb, interval=0.1) as sampler:
+        assert lb.servers_up() == {"rep-a"}
+        supervisor.stall_next = CHECK_TIMEOUT + 1
+        wait_until(lambda: int(lb.stats()["rep-a"]["chkfail"] or 0) >= 1,
+                   INTER + CHECK_TIMEOUT + 1 + SETTLE, "HAProxy to count the slow check failed")
+        stalled = time.monotonic()
+        wait_until(lambda: supervisor.count("rep-a", 200, stalled) >= 2, BACK + SETTLE,
+                   "two more checks answered")
+        assert lb.stats()["rep-a"]["check_status"].removeprefix("* ") == "L7OK"
+    assert [up for _, up in sampler.transitions("rep-a")] == [True], \
+        sampler.transitions("rep-a")
+
+
+def test_two_503s_take_it_out_and_two_200s_bring_it_back(tmp_path: Path) -> None:
     engine, supervisor = Engine("rep-a"), Supervisor({"rep-a": True})
     with running(engine, supervisor), \
             HAProxy(tmp_path, [server("rep-a", engine, supervisor)]) as lb, \
@@ -185,7 +218,7 @@ def test_one_503_takes_it_out_and_two_200s_bring_it_back(tmp_path: Path) -> None
 
         flipped = time.monotonic()
         supervisor.ready["rep-a"] = False
-        lb.wait_until_down("rep-a", timeout=INTER * FALL + SETTLE)
+        lb.wait_until_down("rep-a", timeout=OUT + SETTLE)
         # HAProxy can only have gone by an answer already given: `fall` of them
         assert supervisor.count("rep-a", 503, flipped) >= FALL
         row = lb.stats()["rep-a"]
@@ -196,7 +229,7 @@ def test_one_503_takes_it_out_and_two_200s_bring_it_back(tmp_path: Path) -> None
 
         back = time.monotonic()
         supervisor.ready["rep-a"] = True
-        lb.wait_until_up("rep-a", timeout=INTER * RISE + SETTLE)
+        lb.wait_until_up("rep-a", timeout=BACK + SETTLE)
         # up only once `rise` 200s had been answered since the flip back
         assert supervisor.count("rep-a", 200, back) >= RISE
         wait_until(lambda: any(at > back and "rep-a" in (up or ())
@@ -224,7 +257,7 @@ def test_replica_taken_out_then_stopped_and_restarted_under_load_loses_nothing(
                 wait_until(lambda: all(e.received >= 3 for e in engines.values()), SETTLE,
                            "both replicas to serve")
                 supervisors["rep-b"].ready["rep-b"] = False  # draining
-                lb.wait_until_down("rep-b", timeout=INTER * FALL + SETTLE)
+                lb.wait_until_down("rep-b", timeout=OUT + SETTLE)
                 out = time.monotonic()
                 time.sleep(0.5)  # what drain.delay is for: a request HAProxy sent just before
                 wait_until(lambda: first_b.inflight == 0, 30, "rep-b's requests to finish")
@@ -233,7 +266,7 @@ def test_replica_taken_out_then_stopped_and_restarted_under_load_loses_nothing(
                 restarted = time.monotonic()
                 engines["rep-b"] = Engine("rep-b", port=first_b.port)  # started again
                 supervisors["rep-b"].ready["rep-b"] = True
-                lb.wait_until_up("rep-b", timeout=INTER * RISE + SETTLE)
+                lb.wait_until_up("rep-b", timeout=BACK + SETTLE)
                 back = time.monotonic()
     finally:
         for engine in (first_b, *engines.values()):
@@ -379,7 +412,7 @@ def test_in_network_namespaces(tmp_path: Path) -> None:
             with Traffic(lb.url, clients=2, seconds=1, netns=front) as traffic:
                 pass
             flag.unlink()
-            lb.wait_until_down("rep", timeout=INTER * FALL + SETTLE)
+            lb.wait_until_down("rep", timeout=OUT + SETTLE)
         assert traffic.requests and not traffic.failed
         assert set(traffic.served_by()) == {"rep"}
     finally:

@@ -67,7 +67,8 @@ LB_ADDRESS = "192.0.2.100"
 CLIENTS = 4
 SETTLE = 5  # slack on top of a bound, for a loaded machine
 BACK = 300  # bound on a vLLM restart on this machine's two cores
-RISE = 2 * 1  # HAProxy's `rise 2` checks, `inter 1s` apart (docs/loadbalancer.md)
+RISE = 1.25  # HAProxy's `rise 2` checks: one, and `fastinter 250ms` later the second
+# (docs/loadbalancer.md)
 ADDRESS = {"node-a": "192.0.2.1", "node-b": "192.0.2.2"}
 NODES = {"one": ("node-a",), "tp": ("node-a", "node-b"), "standby": ("node-b",)}
 VLLM_REPLICAS = {"one", "tp"}
