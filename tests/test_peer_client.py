@@ -7,6 +7,7 @@ kind, within its deadline (plus a liveness margin; no performance assertions).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import ipaddress
@@ -32,7 +33,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from llmgw_systemd.errors import PEER_FAILURES, LlmgwError, PeerError
-from llmgw_systemd.supervisor.peer_client import PeerAnswer, ShardReport, fetch_shards
+from llmgw_systemd.supervisor.peer_client import (
+    PeerAnswer,
+    PeerSession,
+    ShardReport,
+    fetch_shards,
+)
 
 PEER_ERROR_KINDS = PEER_FAILURES
 
@@ -813,3 +819,103 @@ def test_hostile_peer_records_proxy_use(serve: Callable[..., Server], tmp_path: 
         follows_proxies(f"http://127.0.0.1:{real.port}/v1/shards")
     first_line = json.loads(record.read_text())["first_line"]
     assert first_line == f"GET http://127.0.0.1:{real.port}/v1/shards HTTP/1.1"
+
+
+# -- a kept connection (PeerSession) -----------------------------------------------------
+
+
+def kept(answers: int, *, close_after: int | None = None, bad_at: int | None = None
+         ) -> Handler:
+    """Answers up to `answers` requests on one connection (keep-alive); with close_after,
+    hangs up, idle, after that many; with bad_at, answers that request with a malformed
+    body."""
+    def handler(conn: socket.socket, request: bytes, _stop: threading.Event) -> None:
+        served = 0
+        while request and served < answers:
+            body = b"{not json" if served == bad_at else json.dumps(
+                {**REPORT, "version": 17 + served}).encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            served += 1
+            if served == close_after:
+                return
+            request = read_head(conn)
+            if request:
+                server_requests.append(request)
+
+    server_requests: list[bytes] = []
+    return handler
+
+
+def session_run(session: PeerSession, calls: int, **options: Any) -> list[PeerAnswer | str]:
+    """`calls` fetches in a row on one session (one event loop): each answer's version,
+    or the kind of its PeerError."""
+    async def run() -> list[PeerAnswer | str]:
+        out: list[PeerAnswer | str] = []
+        for _ in range(calls):
+            try:
+                out.append(await session.fetch_shards(deadline=5.0, **options))
+            except PeerError as exc:
+                out.append(exc.kind)
+        return out
+
+    try:
+        return asyncio.run(run())
+    finally:
+        session.close()
+
+
+def versions(results: list[PeerAnswer | str]) -> list[int | str]:
+    return [r.version if isinstance(r, PeerAnswer) else r for r in results]
+
+
+def test_a_session_keeps_its_connection(serve: Callable[..., Server]) -> None:
+    server = serve(kept(5))
+    session = PeerSession(server.host, server.port)
+    assert versions(session_run(session, 3)) == [17, 18, 19]
+    assert server.connections == 1
+    assert b"Connection: close" not in server.requests[0]
+    # the one-shot wrapper still says it is done after one answer
+    fetch(serve(answer()))
+
+
+def test_a_kept_connection_the_peer_closed_while_idle_is_made_again(
+        serve: Callable[..., Server]) -> None:
+    """The peer hangs up between two requests (its keep-alive timeout, a restart): the
+    next request goes once more on a new connection, and is answered."""
+    server = serve(kept(5, close_after=1))
+    session = PeerSession(server.host, server.port)
+    assert versions(session_run(session, 3)) == [17, 17, 17]
+    assert server.connections == 3
+
+
+def test_a_failed_exchange_is_never_followed_on_its_connection(
+        serve: Callable[..., Server]) -> None:
+    """After a malformed answer the connection is closed: the next request opens a new
+    one, never reads what may follow on the old one."""
+    server = serve(kept(5, bad_at=1))
+    session = PeerSession(server.host, server.port)
+    assert versions(session_run(session, 3)) == [17, "malformed", 17]
+    assert server.connections == 2
+
+
+def test_a_peer_that_hangs_up_mid_answer_is_not_asked_twice(
+        serve: Callable[..., Server]) -> None:
+    """Only a request that got no byte of an answer is sent again."""
+    server = serve(closed_mid_body)
+    session = PeerSession(server.host, server.port)
+    assert versions(session_run(session, 1)) == ["closed"]
+    assert server.connections == 1
+
+
+def test_a_new_tls_connection_resumes_the_session_and_keeps_the_certificate(
+        serve: Callable[..., Server], tls_files: tuple[Path, Path, bytes]) -> None:
+    server = serve(kept(5, close_after=1), tls=server_context(tls_files))
+    session = PeerSession(server.host, server.port, ssl_context=client_context(tls_files),
+                          server_hostname="peer.test")
+    results = session_run(session, 3)
+    assert versions(results) == [17, 17, 17]
+    assert (session.handshakes, session.resumed) == (3, 2)
+    for result in results:  # the certificate is the session's, resumed or not
+        assert isinstance(result, PeerAnswer) and result.peer_cert is not None
+        assert result.peer_cert["subject"] == ((("commonName", "peer.test"),),)

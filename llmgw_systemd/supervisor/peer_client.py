@@ -13,6 +13,14 @@ trusted with the replica's verdict, so this client believes as little as it can:
 - the answer is parsed strictly into frozen dataclasses, and any deviation is an error
   naming the JSON path.
 
+A PeerSession (asyncio) keeps its connection between requests: the daemon's long-polls
+to a peer cost requests, not TCP and TLS handshakes, and when the connection must be made
+again (the peer restarted, closed it, or an exchange failed) the last TLS session is
+resumed. TLS runs through an ssl.SSLObject over memory buffers, the only way Python
+offers to resume a session on an asyncio socket. A connection is reused only after a
+complete, successful exchange; any failure closes it. fetch_shards and fetch_replica are
+one-shot wrappers for callers without an event loop.
+
 Every failure is one PeerError (errors.py) whose `kind` is one of PEER_FAILURES (the daemon counts
 them by kind) and whose message is one line naming the peer (the daemon logs it,
 rate-limited). No other exception escapes a fetch; only wrong arguments (a caller's bug,
@@ -21,14 +29,18 @@ not a peer's fault) raise ValueError.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import json
 import math
+import os
 import re
 import socket
 import ssl
 import threading
 import time
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, TypeVar
 
@@ -71,27 +83,6 @@ class PeerAnswer:
     peer_cert: dict[str, Any] | None  # the server's getpeercert() over TLS, else None
 
 
-def fetch_shards(host: str, port: int, *, deadline: float, after: int | None = None,
-                 wait: float = 0.0, ssl_context: ssl.SSLContext | None = None,
-                 server_hostname: str | None = None, max_bytes: int = 1 << 20,
-                 clock: Callable[[], float] = time.monotonic) -> PeerAnswer:
-    """GET /v1/shards from the supervisor at host:port, within `deadline` seconds in all.
-
-    With `after`, a long-poll: the peer answers as soon as its version exceeds `after`,
-    or after `wait` seconds; `deadline` must then exceed `wait` (by a margin for the
-    network). With `ssl_context`, over TLS, the certificate checked against
-    `server_hostname` (default: host); `peer_cert` is then the server's certificate as
-    getpeercert() gives it (empty when the context does not verify). Raises PeerError on
-    any failure of the peer or the network; ValueError on arguments out of range."""
-    _check_arguments(host, port, deadline, after, wait, max_bytes)
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    target = SHARDS_PATH if after is None else f"{SHARDS_PATH}?after={after}&wait={_seconds(wait)}"
-    fetch = _Fetch(host, port, deadline, clock)
-    body, peer_cert = fetch.run(target, ssl_context, server_hostname or host, max_bytes)
-    node, version, shards = _parse_answer(wire_reader(fetch.where), _json(fetch, body))
-    return PeerAnswer(node, version, shards, peer_cert)
-
-
 @dataclass(frozen=True)
 class RankLine:
     """One rank as a supervisor's replica view says it (GET /v1/replicas/NAME)."""
@@ -115,6 +106,131 @@ class ReplicaAnswer:
     ranks: tuple[RankLine, ...]
 
 
+class PeerSession:
+    """One peer supervisor at host:port, over one connection kept between requests.
+
+    With `ssl_context`, over TLS, the certificate checked against `server_hostname`
+    (default: host); an answer's `peer_cert` is the certificate of the connection it came
+    on. Not for concurrent use: one request at a time. close() when done."""
+
+    def __init__(self, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
+                 server_hostname: str | None = None, max_bytes: int = 1 << 20,
+                 clock: Callable[[], float] = time.monotonic, keep: bool = True) -> None:
+        _check_arguments(host, port, 1.0, None, 0.0, max_bytes)
+        self.host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        self.port = port
+        self.where = f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
+        self.ssl_context = ssl_context
+        self.server_hostname = server_hostname or self.host
+        self.max_bytes = max_bytes
+        self.clock = clock
+        self.keep = keep  # False: `Connection: close`, one request per connection
+        self.handshakes = 0  # TLS handshakes made, and of them how many resumed a session
+        self.resumed = 0
+        self._channel: _Channel | None = None
+        self._tls_session: ssl.SSLSession | None = None
+
+    async def fetch_shards(self, *, deadline: float, after: int | None = None,
+                           wait: float = 0.0) -> PeerAnswer:
+        """GET /v1/shards within `deadline` seconds in all. With `after`, a long-poll: the
+        peer answers as soon as its version exceeds `after`, or after `wait` seconds;
+        `deadline` must then exceed `wait` (by a margin for the network)."""
+        _check_arguments(self.host, self.port, deadline, after, wait, self.max_bytes)
+        target = (SHARDS_PATH if after is None
+                  else f"{SHARDS_PATH}?after={after}&wait={_seconds(wait)}")
+        body, peer_cert = await self._request(target, deadline)
+        try:
+            node, version, shards = _parse_answer(wire_reader(self.where),
+                                                  _json(self.where, body))
+        except PeerError:
+            self.close()  # a peer that sent that is not asked again on this connection
+            raise
+        return PeerAnswer(node, version, shards, peer_cert)
+
+    async def fetch_replica(self, name: str, *, deadline: float) -> ReplicaAnswer:
+        """GET /v1/replicas/NAME within `deadline`; a 404 means the supervisor does not
+        watch the replica (PeerError http-status)."""
+        _check_arguments(self.host, self.port, deadline, None, 0.0, self.max_bytes)
+        if not is_replica_name(name):
+            raise ValueError(f"not a replica name: {name!r}")
+        body, _ = await self._request(f"{REPLICAS_PATH}/{name}", deadline)
+        try:
+            return _parse_replica(wire_reader(self.where), _json(self.where, body))
+        except PeerError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    async def _request(self, target: str, deadline: float
+                       ) -> tuple[bytes, dict[str, Any] | None]:
+        budget = _Budget(self.where, deadline, self.clock)
+        try:
+            if self._channel is not None:
+                exchange = _Exchange(self._channel, budget, self.keep)
+                try:
+                    return await self._finish(exchange, target)
+                except PeerError as exc:
+                    # A kept connection the peer closed while it was idle (its keep-alive
+                    # timeout, a restart) fails before any answer: once more on a new one.
+                    # A GET that got no answer byte can be sent again.
+                    if exc.kind != "closed" or exchange.answered:
+                        raise
+                    self.close()
+            self._channel = await self._open(budget)
+            return await self._finish(_Exchange(self._channel, budget, self.keep), target)
+        except BaseException:
+            self.close()  # never reuse a connection in an unknown state
+            raise
+
+    async def _finish(self, exchange: _Exchange, target: str
+                      ) -> tuple[bytes, dict[str, Any] | None]:
+        body, reusable = await exchange.run(target, self.max_bytes)
+        channel = exchange.channel
+        if channel.tls is not None and channel.tls.session is not None:
+            self._tls_session = channel.tls.session  # tickets arrive after the handshake
+        if not (self.keep and reusable):
+            self.close()
+        return body, channel.peer_cert
+
+    async def _open(self, budget: _Budget) -> _Channel:
+        sock = await _connect(self.host, self.port, budget)
+        if self.ssl_context is None:
+            return _Channel(sock, budget.where)
+        budget.phase = "in the TLS handshake"
+        try:
+            channel = _Channel(sock, budget.where, self.ssl_context, self.server_hostname,
+                               self._tls_session)
+        except (ssl.SSLError, ValueError) as exc:
+            sock.close()
+            raise PeerError("tls", f"TLS with {self.where}: {_describe(exc)}") from None
+        try:
+            await channel.handshake(budget)
+        except BaseException:
+            channel.close()
+            raise
+        self.handshakes += 1
+        self.resumed += bool(channel.tls is not None and channel.tls.session_reused)
+        return channel
+
+
+def fetch_shards(host: str, port: int, *, deadline: float, after: int | None = None,
+                 wait: float = 0.0, ssl_context: ssl.SSLContext | None = None,
+                 server_hostname: str | None = None, max_bytes: int = 1 << 20,
+                 clock: Callable[[], float] = time.monotonic) -> PeerAnswer:
+    """One GET /v1/shards on a connection of its own (PeerSession.fetch_shards), for a
+    caller without an event loop. Raises PeerError on any failure of the peer or the
+    network; ValueError on arguments out of range."""
+    _check_arguments(host, port, deadline, after, wait, max_bytes)
+    session = PeerSession(host, port, ssl_context=ssl_context,
+                          server_hostname=server_hostname, max_bytes=max_bytes, clock=clock,
+                          keep=False)
+    return run_once(session, session.fetch_shards(deadline=deadline, after=after, wait=wait))
+
+
 def fetch_replica(host: str, port: int, name: str, *, deadline: float,
                   clock: Callable[[], float] = time.monotonic) -> ReplicaAnswer:
     """GET /v1/replicas/NAME from the supervisor at host:port (this node's own, over
@@ -123,10 +239,20 @@ def fetch_replica(host: str, port: int, name: str, *, deadline: float,
     _check_arguments(host, port, deadline, None, 0.0, 1 << 20)
     if not is_replica_name(name):
         raise ValueError(f"not a replica name: {name!r}")
-    fetch = _Fetch(host, port, deadline, clock)
-    body, _ = fetch.run(f"{REPLICAS_PATH}/{name}", None, host, 1 << 20)
-    wire = wire_reader(fetch.where)
-    answer = wire.mapping(_json(fetch, body), (), ("state", "reason", "routable", "ranks"),
+    session = PeerSession(host, port, clock=clock, keep=False)
+    return run_once(session, session.fetch_replica(name, deadline=deadline))
+
+
+def run_once(session: PeerSession, request: Coroutine[Any, Any, T]) -> T:
+    """Run one request of `session` on an event loop of its own, then close it."""
+    try:
+        return asyncio.run(request)
+    finally:
+        session.close()
+
+
+def _parse_replica(wire: Reader, document: Any) -> ReplicaAnswer:
+    answer = wire.mapping(document, (), ("state", "reason", "routable", "ranks"),
                           ("state", "reason", "routable", "ranks"), others=True)
     ranks = []
     for i, item in enumerate(wire.sequence(answer["ranks"], ("ranks",), "ranks",
@@ -149,37 +275,34 @@ def fetch_replica(host: str, port: int, name: str, *, deadline: float,
         ranks=tuple(ranks))
 
 
-def _json(fetch: _Fetch, body: bytes) -> Any:
+def _json(where: str, body: bytes) -> Any:
     try:
         return json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicate_keys,
                           parse_constant=_no_constant)
     except UnicodeDecodeError as exc:
-        raise PeerError("malformed", f"{fetch.where}: the answer is not UTF-8: {exc}") from None
+        raise PeerError("malformed", f"{where}: the answer is not UTF-8: {exc}") from None
     except (ValueError, RecursionError) as exc:
         # json.JSONDecodeError is a ValueError, as are our hooks' complaints and the
         # int-digits limit; a deeply nested document hits the recursion limit
-        raise PeerError("malformed", f"{fetch.where}: the answer is not JSON: "
+        raise PeerError("malformed", f"{where}: the answer is not JSON: "
                         f"{one_line(str(exc)) or type(exc).__name__}") from None
 
 
 # -- the exchange ------------------------------------------------------------------------
 
 
-class _Fetch:
-    """One request over one connection, every step paid from one budget."""
+class _Budget:
+    """One request's time, every step paid from it; out of it is a timeout naming the
+    phase it ran out in."""
 
-    def __init__(self, host: str, port: int, deadline: float,
-                 clock: Callable[[], float]) -> None:
-        self.host = host
-        self.port = port
-        self.where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    def __init__(self, where: str, deadline: float, clock: Callable[[], float]) -> None:
+        self.where = where
         self.deadline = deadline
         self.clock = clock
         self.ends = clock() + deadline
         self.phase = "resolving the name"
 
     def remaining(self) -> float:
-        """What is left of the budget; out of it is a timeout naming the phase."""
         left = self.ends - self.clock()
         if left <= 0:
             self.timed_out()
@@ -189,111 +312,195 @@ class _Fetch:
         raise PeerError("timeout", f"{self.where}: no complete answer within "
                         f"{self.deadline:g} s (ran out while {self.phase})")
 
-    def run(self, target: str, ssl_context: ssl.SSLContext | None, server_hostname: str,
-            max_bytes: int) -> tuple[bytes, dict[str, Any] | None]:
-        sock = self.connect()
+    async def wait(self, step: Awaitable[T]) -> T:
+        """One step, waiting at most what is left: a peer that answers a byte at a time
+        gets no fresh timeout per byte."""
         try:
-            peer_cert: dict[str, Any] | None = None
-            if ssl_context is not None:
-                sock, peer_cert = self.handshake(sock, ssl_context, server_hostname)
-            return self.exchange(sock, target, max_bytes), peer_cert
-        finally:
-            # no TLS close_notify: unwrap() would wait on the peer, and we are done with it
-            sock.close()
-
-    def connect(self) -> socket.socket:
-        addresses = self.resolve()
-        self.phase = "connecting"
-        error: OSError | None = None
-        for family, kind, proto, _, address in addresses:
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.settimeout(self.remaining())
-                sock.connect(address)
-            except socket.timeout:
-                sock.close()
-                self.timed_out()
-            except OSError as exc:
-                sock.close()
-                error = exc
-                continue
-            except BaseException:
-                sock.close()
-                raise
-            return sock
-        raise PeerError("connect", f"cannot connect to {self.where}: {_describe(error)}")
-
-    def resolve(self) -> list[tuple[Any, ...]]:
-        """getaddrinfo within the budget. An address literal (the usual peer) resolves at
-        once; a name is looked up in a helper thread, because getaddrinfo cannot be
-        interrupted and may sit in the resolver's own retries for tens of seconds. A lookup
-        that outlives the budget is abandoned to finish on its own (daemon thread)."""
-        self.remaining()
-        try:
-            ipaddress.ip_address(self.host.split("%", 1)[0])
-        except ValueError:
-            pass
-        else:
-            try:
-                return list(socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM,
-                                               flags=socket.AI_NUMERICHOST))
-            except (OSError, UnicodeError) as exc:
-                raise PeerError("connect", f"cannot resolve {self.where}: "
-                                f"{_describe(exc)}") from None
-        result: list[list[tuple[Any, ...]]] = []
-        failure: list[BaseException] = []
-
-        def lookup() -> None:
-            try:
-                result.append(list(socket.getaddrinfo(self.host, self.port,
-                                                      type=socket.SOCK_STREAM)))
-            except BaseException as exc:  # handed over to the caller's thread
-                failure.append(exc)
-
-        helper = threading.Thread(target=lookup, name=f"resolve {self.host}", daemon=True)
-        helper.start()
-        helper.join(self.remaining())
-        if helper.is_alive():
-            self.timed_out()
-        if failure or not result or not result[0]:
-            reason = _describe(failure[0]) if failure else "no address"
-            raise PeerError("connect", f"cannot resolve {self.where}: {reason}")
-        return result[0]
-
-    def handshake(self, sock: socket.socket, context: ssl.SSLContext,
-                  server_hostname: str) -> tuple[ssl.SSLSocket, dict[str, Any] | None]:
-        self.phase = "in the TLS handshake"
-        try:
-            tls = context.wrap_socket(sock, server_hostname=server_hostname,
-                                      do_handshake_on_connect=False)
-        except (ssl.SSLError, ValueError) as exc:
-            sock.close()
-            raise PeerError("tls", f"TLS with {self.where}: {_describe(exc)}") from None
-        try:
-            tls.settimeout(self.remaining())
-            tls.do_handshake()
-            cert = tls.getpeercert()
-        except socket.timeout:
-            tls.close()
-            self.timed_out()
-        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            tls.close()
-            raise PeerError("tls", f"TLS handshake with {self.where} (as {server_hostname}) "
-                            f"failed: {_describe(exc)}") from None
-        except BaseException:
-            tls.close()
+            left = self.remaining()
+        except PeerError:
+            if isinstance(step, Coroutine):
+                step.close()  # never started: nothing to wait for
             raise
-        return tls, (dict(cert) if cert is not None else None)
+        try:
+            return await asyncio.wait_for(step, left)
+        except asyncio.TimeoutError:
+            self.timed_out()
 
-    def exchange(self, sock: socket.socket, target: str, max_bytes: int) -> bytes:
+
+async def _connect(host: str, port: int, budget: _Budget) -> socket.socket:
+    addresses = await _resolve(host, port, budget)
+    budget.phase = "connecting"
+    loop = asyncio.get_running_loop()
+    error: OSError | None = None
+    for family, kind, proto, _, address in addresses:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await budget.wait(loop.sock_connect(sock, address))
+        except OSError as exc:
+            sock.close()
+            # asyncio says "Connect call failed (address)"; the errno says why
+            error = OSError(exc.errno, os.strerror(exc.errno)) if exc.errno else exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    raise PeerError("connect", f"cannot connect to {budget.where}: {_describe(error)}")
+
+
+async def _resolve(host: str, port: int, budget: _Budget) -> list[tuple[Any, ...]]:
+    """getaddrinfo within the budget. An address literal (the usual peer) resolves at
+    once; a name is looked up in a helper thread, because getaddrinfo cannot be
+    interrupted and may sit in the resolver's own retries for tens of seconds. A lookup
+    that outlives the budget is abandoned to finish on its own (daemon thread)."""
+    budget.remaining()
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        pass
+    else:
+        try:
+            return list(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                           flags=socket.AI_NUMERICHOST))
+        except (OSError, UnicodeError) as exc:
+            raise PeerError("connect", f"cannot resolve {budget.where}: "
+                            f"{_describe(exc)}") from None
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[tuple[list[tuple[Any, ...]], BaseException | None]] = \
+        loop.create_future()
+
+    def settle(outcome: tuple[list[tuple[Any, ...]], BaseException | None]) -> None:
+        if not done.done():
+            done.set_result(outcome)
+
+    def lookup() -> None:
+        try:
+            outcome: tuple[list[tuple[Any, ...]], BaseException | None] = (
+                list(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)), None)
+        except BaseException as exc:  # handed over to the caller's task
+            outcome = ([], exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=lookup, name=f"resolve {host}", daemon=True).start()
+    result, failure = await budget.wait(done)
+    if failure is not None or not result:
+        reason = _describe(failure) if failure is not None else "no address"
+        raise PeerError("connect", f"cannot resolve {budget.where}: {reason}")
+    return result
+
+
+class _Channel:
+    """A connected socket, under TLS through an SSLObject over memory buffers when given
+    a context (resuming `session` if one is given)."""
+
+    def __init__(self, sock: socket.socket, where: str,
+                 context: ssl.SSLContext | None = None, server_hostname: str = "",
+                 session: ssl.SSLSession | None = None) -> None:
+        self.sock = sock
+        self.where = where
+        self.server_hostname = server_hostname
+        self.peer_cert: dict[str, Any] | None = None
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self.tls = (context.wrap_bio(self._incoming, self._outgoing,
+                                     server_hostname=server_hostname, session=session)
+                    if context is not None else None)
+
+    def close(self) -> None:
+        # no TLS close_notify: it would wait on the peer, and we are done with it
+        self.sock.close()
+
+    async def handshake(self, budget: _Budget) -> None:
+        tls = self.tls
+        if tls is None:
+            return
+        try:
+            while True:
+                try:
+                    tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    await self._flush(budget)
+                    await self._fill(budget)
+            await self._flush(budget)
+            cert = tls.getpeercert()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            raise PeerError("tls", f"TLS handshake with {self.where} (as "
+                            f"{self.server_hostname}) failed: {_describe(exc)}") from None
+        self.peer_cert = dict(cert) if cert is not None else None
+
+    async def send(self, data: bytes, budget: _Budget) -> None:
+        try:
+            if self.tls is None:
+                await budget.wait(asyncio.get_running_loop().sock_sendall(self.sock, data))
+                return
+            self.tls.write(data)
+            await self._flush(budget)
+        except OSError as exc:
+            raise self._failed(exc, budget) from None
+
+    async def recv(self, budget: _Budget) -> bytes:
+        """Some bytes of the answer; b"" once the peer closed the connection."""
+        try:
+            if self.tls is None:
+                return await budget.wait(asyncio.get_running_loop().sock_recv(self.sock,
+                                                                              RECV_SIZE))
+            while True:
+                try:
+                    return self.tls.read(RECV_SIZE)
+                except ssl.SSLWantReadError:
+                    await self._flush(budget)
+                    await self._fill(budget)
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                    return b""  # closed, with or without close_notify: the end either way
+        except OSError as exc:
+            raise self._failed(exc, budget) from None
+
+    def _failed(self, exc: OSError, budget: _Budget) -> PeerError:
+        if isinstance(exc, ssl.SSLError):
+            return PeerError("tls", f"TLS with {self.where} failed while {budget.phase}: "
+                             f"{_describe(exc)}")
+        return PeerError("closed", f"connection to {self.where} lost while {budget.phase}: "
+                         f"{_describe(exc)}")
+
+    async def _fill(self, budget: _Budget) -> None:
+        data = await budget.wait(asyncio.get_running_loop().sock_recv(self.sock, RECV_SIZE))
+        if data:
+            self._incoming.write(data)
+        else:
+            self._incoming.write_eof()
+
+    async def _flush(self, budget: _Budget) -> None:
+        data = self._outgoing.read()
+        if data:
+            await budget.wait(asyncio.get_running_loop().sock_sendall(self.sock, data))
+
+
+class _Exchange:
+    """One request and its answer on a channel (h11)."""
+
+    def __init__(self, channel: _Channel, budget: _Budget, keep: bool) -> None:
+        self.channel = channel
+        self.budget = budget
+        self.keep = keep
+        self.answered = False  # a byte of the answer arrived
+        self.where = budget.where
+
+    async def run(self, target: str, max_bytes: int) -> tuple[bytes, bool]:
+        """The answer's body, and whether the connection may carry another request."""
+        budget, channel = self.budget, self.channel
         conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
-        request = conn.send(h11.Request(method="GET", target=target, headers=[
-            ("Host", self.where), ("User-Agent", USER_AGENT), ("Accept", "application/json"),
-            ("Connection", "close")]))
+        headers = [("Host", self.where), ("User-Agent", USER_AGENT),
+                   ("Accept", "application/json")]
+        if not self.keep:
+            headers.append(("Connection", "close"))
+        request = conn.send(h11.Request(method="GET", target=target, headers=headers))
         request = (request or b"") + (conn.send(h11.EndOfMessage()) or b"")
-        self.phase = "sending the request"
-        self.io(sock, lambda: sock.sendall(request))
-        self.phase = WAITING
+        budget.phase = "sending the request"
+        await channel.send(request, budget)
+        budget.phase = WAITING
         body = bytearray()
         closed = False
         while True:
@@ -301,55 +508,42 @@ class _Fetch:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
                 if closed:
-                    got = (f" ({len(body)} body bytes received)" if self.phase == READING
-                           else self.refusal_hint(sock))
+                    got = (f" ({len(body)} body bytes received)" if budget.phase == READING
+                           else self.refusal_hint())
                     raise PeerError("closed", f"{self.where} closed the connection while "
-                                    f"{self.phase}{got}") from None
+                                    f"{budget.phase}{got}") from None
                 raise PeerError("malformed", f"{self.where}: not a valid HTTP answer: "
                                 f"{_describe(exc)}") from None
             if event is h11.NEED_DATA:
-                data = self.io(sock, lambda: sock.recv(RECV_SIZE))
+                data = await channel.recv(budget)
+                self.answered = self.answered or bool(data)
                 closed = not data
                 conn.receive_data(data)
             elif isinstance(event, h11.InformationalResponse):
                 continue  # 1xx: the real status follows
             elif isinstance(event, h11.Response):
                 self.check_status(event, max_bytes)
-                self.phase = READING
+                budget.phase = READING
             elif isinstance(event, h11.Data):
                 body += event.data
                 if len(body) > max_bytes:
                     raise PeerError("too-large", f"{self.where}: the answer exceeds "
                                     f"{max_bytes} bytes")
             elif isinstance(event, h11.EndOfMessage):
-                return bytes(body)
+                return bytes(body), (conn.our_state is h11.DONE
+                                     and conn.their_state is h11.DONE)
             else:  # ConnectionClosed before a response, or PAUSED (never for a client)
                 raise PeerError("closed", f"{self.where} closed the connection while "
-                                f"{self.phase}{self.refusal_hint(sock)}")
+                                f"{budget.phase}{self.refusal_hint()}")
 
-    def refusal_hint(self, sock: socket.socket) -> str:
+    def refusal_hint(self) -> str:
         """Why a TLS peer closes before any answer, most likely: with TLS 1.3 the client's
         handshake ends before the server has checked the client's certificate, so a
         server that refuses it shows here, as a closed connection."""
-        if not isinstance(sock, ssl.SSLSocket) or self.phase != WAITING:
+        if self.channel.tls is None or self.budget.phase != WAITING:
             return ""
         return (" right after the TLS handshake: it does not accept this node's certificate "
                 "(another CA?), or it restarted")
-
-    def io(self, sock: socket.socket, operation: Callable[[], T]) -> T:
-        """One socket operation, waiting at most what is left of the budget: a peer that
-        answers a byte at a time gets no fresh timeout per byte."""
-        try:
-            sock.settimeout(self.remaining())
-            return operation()
-        except socket.timeout:
-            self.timed_out()
-        except ssl.SSLError as exc:
-            raise PeerError("tls", f"TLS with {self.where} failed while {self.phase}: "
-                            f"{_describe(exc)}") from None
-        except OSError as exc:
-            raise PeerError("closed", f"connection to {self.where} lost while {self.phase}: "
-                            f"{_describe(exc)}") from None
 
     def check_status(self, response: h11.Response, max_bytes: int) -> None:
         code = response.status_code
