@@ -62,8 +62,9 @@ IMPURE_STDLIB = {"os", "socket", "subprocess", "time", "threading", "asyncio", "
 ONLY_IN = {"click": {"cli"}, "gi": {"supervisor.systemd_bus"},
            "pydbus": {"supervisor.systemd_bus"}, "jinja2": {"units.render"},
            "prometheus_client": {"supervisor.http.metrics", "supervisor.engine_metrics"},
+           # HTTP over sockets: the API's server, the peers' client, the engines' probes
            "h11": {
-               "supervisor.http.server", "supervisor.peer_client"}}
+               "supervisor.http.server", "supervisor.peer_client", "supervisor.probes"}}
 # Which role may use which: data flows one way (spec -> units -> files; unit state ->
 # health -> report). A key imports nothing of ours outside its own folder and these.
 MAY_IMPORT = {

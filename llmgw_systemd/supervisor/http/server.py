@@ -14,6 +14,7 @@ Nothing is kept per path or per client once a connection closes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import http
@@ -145,6 +146,13 @@ class Changes:
     def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
         for fut in list(self._waiters.get(loop, ())):
             _resolve(fut)
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -289,6 +297,7 @@ class HttpServer:
         self._address: tuple[str, int] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._shared = False  # served on a loop it does not own (start(loop))
         self._changes: list[Changes] = []
         self._conns: set[_Conn] = set()
         # Connections waiting for a request head, oldest wait first: the eviction order.
@@ -318,30 +327,69 @@ class HttpServer:
         if self._loop is not None and not self._loop.is_closed():
             changes._bind(self._loop)
 
-    def start(self) -> None:
-        """Bind and listen (OSError on failure), then serve from a daemon thread."""
-        if self._thread is not None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Bind and listen (OSError on failure), then serve: from a daemon thread of its
+        own, or on `loop` when given (running in another thread, such as the
+        supervisor's runtime; that loop's exception handler is its owner's)."""
+        if self._thread is not None or self._loop is not None:
             raise RuntimeError("HttpServer.start() called twice")
         self._cap = self._fd_cap()
         sock = self._bind()
         self._sock = sock
         name = sock.getsockname()
         self._address = (str(name[0]), int(name[1]))
+        if loop is not None:
+            self._loop, self._shared = loop, True
+            ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+            shared = loop
+
+            def setup() -> None:
+                try:
+                    self._listen(shared)
+                except BaseException as exc:  # reported below
+                    ready.set_exception(exc)
+                else:
+                    ready.set_result(None)
+
+            try:
+                loop.call_soon_threadsafe(setup)
+                ready.result(_JOIN_TIMEOUT)
+            except BaseException as exc:
+                sock.close()
+                raise OSError(f"HTTP server on {self._host}:{self._port}: {exc!r}") from None
+            return
         loop = asyncio.new_event_loop()
-        ready = threading.Event()
+        started = threading.Event()
         failed: list[BaseException] = []
-        thread = threading.Thread(target=self._run, args=(loop, ready, failed),
+        thread = threading.Thread(target=self._run, args=(loop, started, failed),
                                   name="http", daemon=True)
         self._loop, self._thread = loop, thread
         thread.start()
-        if not ready.wait(_JOIN_TIMEOUT) or failed:
+        if not started.wait(_JOIN_TIMEOUT) or failed:
             sock.close()
             why = f"{failed[0]!r}" if failed else "the event loop did not start"
             raise OSError(f"HTTP server on {self._host}:{self._port}: {why}")
 
     def stop(self) -> None:
-        """Close the listener and every connection, end the loop, join the thread."""
+        """Close the listener and every connection; on a thread of its own, end the loop
+        and join the thread."""
         loop, thread = self._loop, self._thread
+        if self._shared and loop is not None:
+            closed = threading.Event()
+
+            def close() -> None:
+                try:
+                    self._close_all(loop)
+                finally:
+                    closed.set()
+
+            try:
+                loop.call_soon_threadsafe(close)
+            except RuntimeError:  # the loop closed meanwhile: nothing left open on it
+                return
+            if not _in_loop(loop):
+                closed.wait(_JOIN_TIMEOUT)
+            return
         if loop is None or thread is None or not thread.is_alive():
             return
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
@@ -352,17 +400,20 @@ class HttpServer:
                 self._log("stop", f"http: the server thread did not end within "
                           f"{_JOIN_TIMEOUT:.0f} s (a handler that ignores cancellation?)")
 
+    def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._sock is None:
+            raise RuntimeError("no listening socket")
+        loop.add_reader(self._sock.fileno(), self._on_acceptable, loop, self._sock)
+        for changes in self._changes:
+            changes._bind(loop)
+
     # the loop's thread
     def _run(self, loop: asyncio.AbstractEventLoop, ready: threading.Event,
              failed: list[BaseException]) -> None:
         try:
             asyncio.set_event_loop(loop)
             loop.set_exception_handler(self._on_loop_error)
-            if self._sock is None:
-                raise RuntimeError("no listening socket")
-            loop.add_reader(self._sock.fileno(), self._on_acceptable, loop, self._sock)
-            for changes in self._changes:
-                changes._bind(loop)
+            self._listen(loop)
         except BaseException as exc:  # reported by start()
             failed.append(exc)
             ready.set()
@@ -386,12 +437,15 @@ class HttpServer:
             loop.close()
 
     def _shutdown(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._close_all(loop)
+        loop.stop()
+
+    def _close_all(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._sock is not None and self._sock.fileno() != -1:  # twice: stop() raced
             loop.remove_reader(self._sock.fileno())
             self._sock.close()
         for conn in list(self._conns):
             self._drop(conn)
-        loop.stop()
 
     def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
