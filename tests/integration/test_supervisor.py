@@ -112,3 +112,30 @@ def test_leader_answering_with_a_worker_gone_is_never_ready(
                "the peer to count as unreachable")
     states = {str(a.replica("rep")["state"]) for _ in range(5)}
     assert "ready" not in states, (unknown, states)
+
+
+def test_a_supervisor_started_beside_running_units_probes_at_once(
+        two_nodes: Nodes, tmp_path: Path) -> None:
+    """The first probe follows the first read of systemd, not a health interval later:
+    with an interval of 300 s, a supervisor started beside an already serving replica says
+    ready well before that (a supervisor that waited an interval would still say
+    starting when this gives up)."""
+    http, head = free_port(), free_port()
+    spec = two_node_replica(tmp_path / "spec.yaml", name="rep",
+                            leader=two_nodes.address("node-a"),
+                            worker=two_nodes.address("node-b"), http=http, head=head,
+                            pid_file=tmp_path / "head.pids", delay=2, burst=20, interval=900)
+    spec.write_text(spec.read_text() + "    health: {interval: 300, timeout: 2, stability: 0}\n")
+    leader, worker = two_nodes["node-a"], two_nodes["node-b"]
+    leader.render(spec, "node-a")
+    worker.render(spec, "node-b")
+    worker.systemctl("start", TARGET)
+    leader.systemctl("start", TARGET)
+    leader.wait_state(ENGINE, "active", timeout=60)
+    sups: list[SupervisorProcess] = []
+    try:
+        sups = [supervisor(leader, "node-a", spec), supervisor(worker, "node-b", spec)]
+        ready = sups[0].wait_state("rep", "ready", 60)
+        assert [r["state"] for r in ready["ranks"]] == ["ready", "ready"]
+    finally:
+        stop_and_show(sups)
