@@ -203,7 +203,7 @@ def local_part(options: argparse.Namespace, tmp: Path) -> LocalFigures:
 
         os.environ.update({k: manager.env[k] for k in ("XDG_RUNTIME_DIR",
                                                       "DBUS_SESSION_BUS_ADDRESS")})
-        from llmgw_systemd.supervisor.systemd_bus import SystemdBus
+        from llmgw_systemd.gather.systemd_bus import SystemdBus
 
         unit = "llmgw-bench-000-engine.service"
         seen: dict[str, float] = {}

@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     import ssl
 
     from llmgw_systemd.apply.rollout import SystemctlShow, Versions
+    from llmgw_systemd.gather.shard_reader import ShardStatus
     from llmgw_systemd.health.versions import RankVersion
-    from llmgw_systemd.supervisor.shard_reader import ShardStatus
 
 SYSTEM_UNIT_DIR = "/etc/systemd/system"
 WAIT_FOR_PORT = "llmgw-wait-for-port"
@@ -243,7 +243,7 @@ def _versions(plans: Sequence[ShardPlan], replicas: dict[str, Replica],
     from llmgw_systemd.apply.rollout import Versions, behind_ranks
     from llmgw_systemd.apply.systemctl import running_digest
     from llmgw_systemd.errors import PeerError
-    from llmgw_systemd.supervisor.peer_client import fetch_replica
+    from llmgw_systemd.gather.peer_client import fetch_replica
     from llmgw_systemd.units.plan import ready_within
 
     out = {}
@@ -279,7 +279,7 @@ def _wait_routable(name: str, digest: str, within: int, user_manager: bool,
     from llmgw_systemd.apply.rollout import not_back_yet
     from llmgw_systemd.apply.systemctl import unit_states
     from llmgw_systemd.errors import NotBackError, PeerError
-    from llmgw_systemd.supervisor.peer_client import fetch_replica
+    from llmgw_systemd.gather.peer_client import fetch_replica
 
     click.echo(f"replica {name}: waiting up to {within} s for it to be routable again",
                err=True)
@@ -402,10 +402,10 @@ def status_command(name: str | None, specs: tuple[str, ...], node: str | None,
     import json
     import time
 
+    from llmgw_systemd.gather.probes import http_probe  # noqa: F401 - keeps the import error here, early
+    from llmgw_systemd.gather.shard_reader import local_shards, probe_shard, read_status
+    from llmgw_systemd.gather.systemd_bus import SystemdBus
     from llmgw_systemd.health.rules import READY
-    from llmgw_systemd.supervisor.probes import http_probe  # noqa: F401 - keeps the import error here, early
-    from llmgw_systemd.supervisor.shard_reader import local_shards, probe_shard, read_status
-    from llmgw_systemd.supervisor.systemd_bus import SystemdBus
 
     try:
         spec = build_spec(read_documents(specs or DEFAULT_SPECS))
@@ -487,7 +487,7 @@ def _table(rows: Sequence[tuple[str, ...]]) -> None:
 def _cluster_tls(cert: str | None, key: str | None, ca: str | None
                  ) -> ssl.SSLContext | None:
     from llmgw_systemd.errors import TlsError
-    from llmgw_systemd.supervisor.tls import client_context, find_tls_files
+    from llmgw_systemd.gather.tls import client_context, find_tls_files
 
     try:
         files = find_tls_files(cert, key, ca, credentials_dir=DEFAULT_TLS_DIR
@@ -506,14 +506,14 @@ def _print_cluster(replicas: list[Replica], node: str, statuses: list[ShardStatu
     import json
 
     from llmgw_systemd.errors import PeerError
+    from llmgw_systemd.gather.peer_client import PeerSession
+    from llmgw_systemd.gather.tls import names_node
     from llmgw_systemd.health.cluster_view import (
         PeerView,
         all_ready,
         cluster_rows,
         staged_lines,
     )
-    from llmgw_systemd.supervisor.peer_client import PeerSession
-    from llmgw_systemd.supervisor.tls import names_node
 
     address = {n.name: n.address for r in replicas for n in r.nodes if n.name != node}
 
@@ -554,7 +554,7 @@ def _drain_targets(name: str | None, all_on_node: bool, specs: tuple[str, ...],
                    node: str | None) -> tuple[str, list[Replica]]:
     """This node's name and the replicas a drain or resume acts on (NAME, or every one
     with a shard here)."""
-    from llmgw_systemd.supervisor.shard_reader import local_shards
+    from llmgw_systemd.gather.shard_reader import local_shards
 
     if (name is None) == (not all_on_node):
         raise UsageError("NAME", "name one replica, or pass --node for every replica with a "
@@ -734,9 +734,9 @@ def supervisor_command(specs: tuple[str, ...], node: str | None, user_manager: b
     import signal
 
     from llmgw_systemd.errors import TlsError
+    from llmgw_systemd.gather.tls import client_context, find_tls_files, server_context
     from llmgw_systemd.supervisor.daemon import SupervisorConfig, is_loopback, serve
     from llmgw_systemd.supervisor.state_file import check_writable
-    from llmgw_systemd.supervisor.tls import client_context, find_tls_files, server_context
 
     collector.enable()  # a long-running daemon: _run turned it off for the short-lived CLIs
     try:

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from llmgw_systemd.supervisor.tls import CREDENTIAL_NAMES, TlsFiles
+from llmgw_systemd.gather.tls import CREDENTIAL_NAMES, TlsFiles
 
 __all__ = ["cluster", "make_ca", "make_node_cert"]
 

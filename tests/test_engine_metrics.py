@@ -1,4 +1,4 @@
-"""An engine's progress read out of its metrics page (supervisor.engine_metrics), on
+"""An engine's progress read out of its metrics page (gather.engine_metrics), on
 pages as the engines serve them. tests/cases/metrics/vllm-0.32.0-*.txt were read from the
 real vLLM 0.32.0 CPU build (the tiny model, float32): idle after one 5-token completion,
 and working with three 200-token completions in flight. The SGLang page is written by
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_systemd.gather.engine_metrics import MAX_METRICS_BYTES, read_progress
 from llmgw_systemd.spec.engines import sglang, vllm
 from llmgw_systemd.spec.engines.base import ProgressSeries
-from llmgw_systemd.supervisor.engine_metrics import MAX_METRICS_BYTES, read_progress
 
 PAGES = Path(__file__).parent / "cases" / "metrics"
 MINE = ProgressSeries("/metrics", ("steps_total",), ("running", "waiting"))

@@ -8,7 +8,9 @@ is a role, and what it may import is its boundary (docs/design.md §2).
     generator/   the systemd generator                  fast_path pure and import-free;
                                                         slow_path renders; program the shell
     health/      unit state and evidence -> verdicts    pure
-    supervisor/  the daemon and `status`: D-Bus, probes, peers, TLS, state; http/
+    gather/      reading this node and its peers, shared by the daemon and `status`:
+                 D-Bus, shards, probes, the peer client, TLS; engine_metrics pure
+    supervisor/  the daemon alone: its runtime, state, drain requests; http/
     helpers/     the small programs the units run
     cli, errors  the top: the only click user; the one exception tree
 """
@@ -52,6 +54,8 @@ SHELLS = {
     "apply.systemctl",
     "generator.program", "generator.slow_path",  # the generator's I/O; its render
     *under("supervisor"), *under("helpers"),
+    # the engine's metrics page is parsed without I/O: pure, though beside the readers
+    *(under("gather") - {"gather.engine_metrics"}),
 }
 PURE = set(MODULES) - SHELLS
 # What a pure module must not import: processes, sockets, threads, files, the clock.
@@ -59,12 +63,12 @@ IMPURE_STDLIB = {"os", "socket", "subprocess", "time", "threading", "asyncio", "
                  "shutil", "tempfile", "pathlib", "sys", "io", "select", "ssl", "http",
                  "urllib", "fcntl"}
 # Libraries that belong to one module each.
-ONLY_IN = {"click": {"cli"}, "gi": {"supervisor.systemd_bus"},
-           "pydbus": {"supervisor.systemd_bus"}, "jinja2": {"units.render"},
-           "prometheus_client": {"supervisor.http.metrics", "supervisor.engine_metrics"},
+ONLY_IN = {"click": {"cli"}, "gi": {"gather.systemd_bus"},
+           "pydbus": {"gather.systemd_bus"}, "jinja2": {"units.render"},
+           "prometheus_client": {"supervisor.http.metrics", "gather.engine_metrics"},
            # HTTP over sockets: the API's server, the peers' client, the engines' probes
            "h11": {
-               "supervisor.http.server", "supervisor.peer_client", "supervisor.probes"}}
+               "supervisor.http.server", "gather.peer_client", "gather.probes"}}
 # Which role may use which: data flows one way (spec -> units -> files; unit state ->
 # health -> report). A key imports nothing of ours outside its own folder and these.
 MAY_IMPORT = {
@@ -74,13 +78,16 @@ MAY_IMPORT = {
     "apply": {"errors", "spec.names", "units"},
     "generator": {"errors", "spec", "units"},
     "health": {"errors", "spec"},
-    # the supervisor plans unit names (units.plan) but never writes units
-    "supervisor": {"errors", "spec", "units.plan", "health", "helpers.sd_notify"},
+    # the readers plan unit names (units.plan) but never write units
+    "gather": {"errors", "spec", "units.plan", "health"},
+    "supervisor": {"errors", "spec", "units.plan", "health", "gather", "helpers.sd_notify"},
     "helpers": {"errors", "spec.endpoint", "spec.names", "health.drain", "health.versions"},
-    "cli": {"errors", "spec", "units", "apply", "health", "supervisor", "helpers.stop_group"},
+    "cli": {"errors", "spec", "units", "apply", "health", "gather", "supervisor",
+            "helpers.stop_group"},
 }
 # Never: the daemon must not reach the writers of unit files.
-NEVER = {"supervisor": {"units.install", "units.render", "apply", "generator"}}
+NEVER = {role: {"units.install", "units.render", "apply", "generator"}
+         for role in ("supervisor", "gather")}
 
 
 def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:

@@ -30,8 +30,8 @@ from loadbalancer import HAProxy, Sampler, Server, TlsCheck, Traffic
 from specs import free_port
 from systemd_harness import make_network, remove_network, wait_until
 
+from llmgw_systemd.gather.tls import TlsFiles, server_context
 from llmgw_systemd.supervisor.http.server import HttpServer, Request, Response
-from llmgw_systemd.supervisor.tls import TlsFiles, server_context
 
 pytestmark = pytest.mark.integration
 

@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from llmgw_systemd.errors import PEER_FAILURES, LlmgwError, PeerError
-from llmgw_systemd.supervisor.peer_client import (
+from llmgw_systemd.gather.peer_client import (
     PeerAnswer,
     PeerSession,
     ShardReport,

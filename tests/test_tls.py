@@ -1,4 +1,4 @@
-"""TLS between peer supervisors (llmgw_systemd.supervisor.tls, docs/tls.md).
+"""TLS between peer supervisors (llmgw_systemd.gather.tls, docs/tls.md).
 
 Real handshakes on the loopback: a one-connection server thread per case, every socket
 with a timeout. TLS 1.3 reports a client certificate the server refuses only after the
@@ -24,7 +24,7 @@ import pytest
 from certs import DOC, cluster, make_ca, make_node_cert, run_recipe
 
 from llmgw_systemd.errors import LlmgwError, TlsError
-from llmgw_systemd.supervisor.tls import (
+from llmgw_systemd.gather.tls import (
     CREDENTIAL_NAMES,
     TlsFiles,
     client_context,

@@ -1,6 +1,6 @@
 """systemctl, for llmgw-render --apply (the I/O shell of rollout.py). Plain systemctl
 rather than D-Bus: its error messages are the ones operators know, and llmgw-render
-stays free of the D-Bus libraries (only supervisor/systemd_bus.py talks D-Bus)."""
+stays free of the D-Bus libraries (only gather/systemd_bus.py talks D-Bus)."""
 
 from __future__ import annotations
 

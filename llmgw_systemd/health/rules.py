@@ -39,7 +39,7 @@ ROUTABLE_STATES: tuple[State, ...] = (READY,)
 STATE_BY_NAME: dict[str, State] = {s: s for s in STATES}
 
 
-# How a probe that timed out begins its detail (supervisor/probes.py): a generation check
+# How a probe that timed out begins its detail (gather/probes.py): a generation check
 # that timed out may have waited behind real work; one that failed otherwise did not.
 NO_ANSWER = "no answer within"
 

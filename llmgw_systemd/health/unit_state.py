@@ -1,4 +1,4 @@
-"""What systemd says about one unit, as plain data (read by supervisor/systemd_bus.py, judged by
+"""What systemd says about one unit, as plain data (read by gather/systemd_bus.py, judged by
 health). Timestamps are systemd's CLOCK_MONOTONIC microseconds; 0 means never."""
 
 from __future__ import annotations

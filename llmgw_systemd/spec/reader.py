@@ -1,7 +1,7 @@
 """Typed reads of plain data (pure): parsed YAML from a spec file, or the JSON a peer
 supervisor answered. Each read checks one value and fails with one error naming the key
 path and what was expected; who the error is for is the caller's: a spec's error names
-the file and line (DocumentReader), a peer's names the peer (supervisor/peer_client.py).
+the file and line (DocumentReader), a peer's names the peer (gather/peer_client.py).
 One reader, so a value is checked the same way whether an operator or a peer wrote it.
 """
 

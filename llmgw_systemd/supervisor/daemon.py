@@ -33,6 +33,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llmgw_systemd.errors import BusError, LlmgwError, PeerError, SpecError, StateError
+from llmgw_systemd.gather.engine_metrics import read_progress
+from llmgw_systemd.gather.peer_client import PeerSession
+from llmgw_systemd.gather.probes import fetch_metrics, probe_completion, probe_http
+from llmgw_systemd.gather.shard_reader import LocalShard, local_shards
+from llmgw_systemd.gather.systemd_bus import SystemdBus
+from llmgw_systemd.gather.tls import TlsFiles, client_context, names_node, server_context
 from llmgw_systemd.health.drain import STARTED as DRAIN_STARTED
 from llmgw_systemd.health.drain import DrainRequest
 from llmgw_systemd.health.drain import events as drain_events
@@ -48,23 +54,17 @@ from llmgw_systemd.spec.files import read_each, spec_files
 from llmgw_systemd.spec.model import Spec
 from llmgw_systemd.spec.replicas import collect_spec, keep_last_good
 from llmgw_systemd.supervisor import drain_requests
-from llmgw_systemd.supervisor.engine_metrics import read_progress
 from llmgw_systemd.supervisor.http import api
 from llmgw_systemd.supervisor.http.metrics import Figures, ReplicaFigures, SupervisorMetrics
 from llmgw_systemd.supervisor.http.server import Changes, HttpServer, Request, Response
-from llmgw_systemd.supervisor.peer_client import PeerSession
-from llmgw_systemd.supervisor.probes import fetch_metrics, probe_completion, probe_http
 from llmgw_systemd.supervisor.rate_limited_log import RateLimitedLog
 from llmgw_systemd.supervisor.runtime import Runtime
-from llmgw_systemd.supervisor.shard_reader import LocalShard, local_shards
 from llmgw_systemd.supervisor.state_file import (
     load_restarts,
     load_versions,
     save_restarts,
     save_versions,
 )
-from llmgw_systemd.supervisor.systemd_bus import SystemdBus
-from llmgw_systemd.supervisor.tls import TlsFiles, client_context, names_node, server_context
 
 
 @dataclass(frozen=True)

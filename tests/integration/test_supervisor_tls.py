@@ -15,7 +15,7 @@ from specs import free_port, two_node_replica
 from supervisors import Sampler, SupervisorProcess
 from systemd_harness import Nodes, wait_until
 
-from llmgw_systemd.supervisor.tls import TlsFiles
+from llmgw_systemd.gather.tls import TlsFiles
 
 pytestmark = pytest.mark.integration
 

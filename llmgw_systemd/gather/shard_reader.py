@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llmgw_systemd.gather.probes import http_probe
+from llmgw_systemd.gather.systemd_bus import SystemdBus
 from llmgw_systemd.health.rules import Health, Probe, shard_health
 from llmgw_systemd.health.unit_state import UnitState
 from llmgw_systemd.spec.endpoint import local_address
 from llmgw_systemd.spec.model import Replica, Spec
-from llmgw_systemd.supervisor.probes import http_probe
-from llmgw_systemd.supervisor.systemd_bus import SystemdBus
 from llmgw_systemd.units.plan import Manager, ShardPlan, plan_node
 
 # Unit names do not depend on where the helper lives: any path will do for planning.
