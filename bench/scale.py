@@ -52,7 +52,7 @@ from specs import free_port  # noqa: E402
 from systemd_harness import UserManager, wait_until  # noqa: E402
 
 from llmgw_systemd.gather.tls import TlsFiles  # noqa: E402
-from llmgw_systemd.supervisor.daemon import SupervisorConfig  # noqa: E402
+from llmgw_systemd.supervisor.config import SupervisorConfig  # noqa: E402
 
 REPLICA = "wide"
 GENERATION = "5ca1e"  # what every simulated rank reports as its engine's start

@@ -13,11 +13,12 @@ import click
 
 from llmgw_systemd import __version__
 from llmgw_systemd.errors import BadInput, LlmgwError, NoShard, UsageError
-from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL
+from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL, SUPERVISOR_PORT
 from llmgw_systemd.spec.files import read_documents
 from llmgw_systemd.spec.model import Replica
 from llmgw_systemd.spec.names import DIGEST_SHOWN
 from llmgw_systemd.spec.replicas import build_spec
+from llmgw_systemd.supervisor.config import SupervisorConfig
 from llmgw_systemd.supervisor.drain_requests import DEFAULT_STATE_DIR
 from llmgw_systemd.units.install import (
     CREATE,
@@ -383,7 +384,8 @@ def systemd_group() -> None:
 @click.option("--cluster", is_flag=True,
               help="Every rank of these replicas, the other nodes' as their own supervisors "
                    "report them.")
-@click.option("--peer-port", type=click.IntRange(1, 65535), default=9470, show_default=True,
+@click.option("--peer-port", type=click.IntRange(1, 65535), default=SUPERVISOR_PORT,
+              show_default=True,
               metavar="PORT", help="With --cluster: the port the supervisors listen on.")
 @click.option("--peer-timeout", type=click.FloatRange(0.1, 120), default=3.0,
               show_default=True, metavar="SECONDS",
@@ -704,7 +706,7 @@ def _endpoint_option(option: str, text: str) -> tuple[str, int]:
 @click.argument("specs", nargs=-1, metavar="[SPEC]...")
 @NODE_OPTION
 @USER_OPTION
-@click.option("--listen", default="127.0.0.1:9470", show_default=True, metavar="ADDR:PORT",
+@click.option("--listen", default=str(SUPERVISOR_LOCAL), show_default=True, metavar="ADDR:PORT",
               help="Where the API listens (TLS when configured); the node's address to "
                    "serve its peers; IPv6 as [ADDR]:PORT.")
 @click.option("--local", "local", metavar="ADDR:PORT",
@@ -716,10 +718,12 @@ def _endpoint_option(option: str, text: str) -> tuple[str, int]:
 @click.option("--state-dir", metavar="DIR",
               help="Where group restarts are recorded [default: $STATE_DIRECTORY, else "
                    "/var/lib/llmgw-supervisor].")
-@click.option("--dbus-timeout", type=click.FloatRange(0.1, 120), default=5.0,
+@click.option("--dbus-timeout", type=click.FloatRange(0.1, 120),
+              default=SupervisorConfig.dbus_timeout,
               show_default=True, metavar="SECONDS",
               help="Bound on every D-Bus call, connecting included.")
-@click.option("--peer-timeout", type=click.FloatRange(0.1, 120), default=2.0,
+@click.option("--peer-timeout", type=click.FloatRange(0.1, 120),
+              default=SupervisorConfig.peer_timeout,
               show_default=True, metavar="SECONDS",
               help="Bound on a peer fetch beyond its long-poll wait (connect, TLS, body).")
 @VERSION_OPTION
@@ -735,7 +739,7 @@ def supervisor_command(specs: tuple[str, ...], node: str | None, user_manager: b
 
     from llmgw_systemd.errors import TlsError
     from llmgw_systemd.gather.tls import client_context, find_tls_files, server_context
-    from llmgw_systemd.supervisor.daemon import SupervisorConfig, is_loopback, serve
+    from llmgw_systemd.supervisor.daemon import is_loopback, serve
     from llmgw_systemd.supervisor.state_file import check_writable
 
     collector.enable()  # a long-running daemon: _run turned it off for the short-lived CLIs

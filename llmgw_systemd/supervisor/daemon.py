@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from llmgw_systemd.errors import BusError, LlmgwError, PeerError, SpecError, StateError
@@ -38,7 +38,7 @@ from llmgw_systemd.gather.peer_client import PeerSession
 from llmgw_systemd.gather.probes import fetch_metrics, probe_completion, probe_http
 from llmgw_systemd.gather.shard_reader import LocalShard, local_shards
 from llmgw_systemd.gather.systemd_bus import SystemdBus
-from llmgw_systemd.gather.tls import TlsFiles, client_context, names_node, server_context
+from llmgw_systemd.gather.tls import client_context, names_node, server_context
 from llmgw_systemd.health.drain import STARTED as DRAIN_STARTED
 from llmgw_systemd.health.drain import DrainRequest
 from llmgw_systemd.health.drain import events as drain_events
@@ -54,6 +54,7 @@ from llmgw_systemd.spec.files import read_each, spec_files
 from llmgw_systemd.spec.model import Spec
 from llmgw_systemd.spec.replicas import collect_spec, keep_last_good
 from llmgw_systemd.supervisor import drain_requests
+from llmgw_systemd.supervisor.config import SupervisorConfig
 from llmgw_systemd.supervisor.http import api
 from llmgw_systemd.supervisor.http.metrics import Figures, ReplicaFigures, SupervisorMetrics
 from llmgw_systemd.supervisor.http.server import Changes, HttpServer, Request, Response
@@ -65,25 +66,6 @@ from llmgw_systemd.supervisor.state_file import (
     save_restarts,
     save_versions,
 )
-
-
-@dataclass(frozen=True)
-class SupervisorConfig:
-    specs: tuple[str, ...]
-    node: str
-    state_dir: str
-    user: bool = False
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 9470
-    local: tuple[str, int] | None = None  # an extra plain-HTTP listener on loopback
-    peer_port: int = 9470
-    tls: TlsFiles | None = None
-    reconcile_interval: float = 5.0  # the slow timer; signals trigger sooner
-    peer_wait: float = 2.0  # long-poll: a peer answers at least this often
-    peer_timeout: float = 2.0  # beyond the wait: connect, TLS, headers and body
-    peer_max_bytes: int = 1 << 20
-    dbus_timeout: float = 5.0
-    max_connections: int = 4096
 
 
 def log(message: str) -> None:

@@ -1,0 +1,31 @@
+"""The supervisor's settings and their defaults: one home, read by the daemon and by the
+command line (its options' defaults), so light enough for every CLI start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL, SUPERVISOR_PORT
+
+if TYPE_CHECKING:
+    from llmgw_systemd.gather.tls import TlsFiles
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    specs: tuple[str, ...]
+    node: str
+    state_dir: str
+    user: bool = False
+    listen_host: str = SUPERVISOR_LOCAL.host
+    listen_port: int = SUPERVISOR_PORT
+    local: tuple[str, int] | None = None  # an extra plain-HTTP listener on loopback
+    peer_port: int = SUPERVISOR_PORT
+    tls: TlsFiles | None = None
+    reconcile_interval: float = 5.0  # the slow timer; signals trigger sooner
+    peer_wait: float = 2.0  # long-poll: a peer answers at least this often
+    peer_timeout: float = 2.0  # beyond the wait: connect, TLS, headers and body
+    peer_max_bytes: int = 1 << 20
+    dbus_timeout: float = 5.0
+    max_connections: int = 4096
