@@ -9,7 +9,7 @@ is a role, and what it may import is its boundary (docs/design.md §2).
                                                         slow_path renders; program the shell
     health/      unit state and evidence -> verdicts    pure
     gather/      reading this node and its peers, shared by the daemon and `status`:
-                 D-Bus, shards, probes, the peer client, TLS; engine_metrics pure
+                 D-Bus, shards, probes, the peer client, TLS; wire, engine_metrics pure
     supervisor/  the daemon alone: its runtime, state, drain requests; http/
     helpers/     the small programs the units run
     cli, errors  the top: the only click user; the one exception tree
@@ -54,8 +54,9 @@ SHELLS = {
     "apply.systemctl",
     "generator.program", "generator.slow_path",  # the generator's I/O; its render
     *under("supervisor"), *under("helpers"),
-    # the engine's metrics page is parsed without I/O: pure, though beside the readers
-    *(under("gather") - {"gather.engine_metrics"}),
+    # the engine's metrics page and the wire format are parsed without I/O: pure,
+    # though beside the readers
+    *(under("gather") - {"gather.engine_metrics", "gather.wire"}),
 }
 PURE = set(MODULES) - SHELLS
 # What a pure module must not import: processes, sockets, threads, files, the clock.

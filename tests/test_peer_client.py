@@ -33,12 +33,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from llmgw_systemd.errors import PEER_FAILURES, LlmgwError, PeerError
-from llmgw_systemd.gather.peer_client import (
-    PeerAnswer,
-    PeerSession,
-    ShardReport,
-    fetch_shards,
-)
+from llmgw_systemd.gather.peer_client import PeerAnswer, PeerSession, fetch_shards
+from llmgw_systemd.gather.wire import ShardReport
 
 PEER_ERROR_KINDS = PEER_FAILURES
 

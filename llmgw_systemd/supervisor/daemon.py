@@ -39,6 +39,7 @@ from llmgw_systemd.gather.probes import fetch_metrics, probe_completion, probe_h
 from llmgw_systemd.gather.shard_reader import LocalShard, local_shards
 from llmgw_systemd.gather.systemd_bus import SystemdBus
 from llmgw_systemd.gather.tls import client_context, names_node, server_context
+from llmgw_systemd.gather.wire import replica_rank, shard_report
 from llmgw_systemd.health.drain import STARTED as DRAIN_STARTED
 from llmgw_systemd.health.drain import DrainRequest
 from llmgw_systemd.health.drain import events as drain_events
@@ -724,28 +725,21 @@ class Supervisor:
         name = shard.replica.name
         mine = verdict.ranks[shard.plan.rank]
         units = (evidence.target, *evidence.members) if evidence else ()
-        report = {
-            "replica": name, "rank": shard.plan.rank, "ranks": shard.plan.ranks,
-            "node": shard.plan.node, "serving": shard.serving, "state": mine.state,
-            "reason": mine.reason, "generation": evidence.generation if evidence else "",
-            "started": engine_started(evidence),
-            # a drain (health/drain.py): why this node drains the replica, and (the
-            # serving rank's node) whether nothing is in flight any more
-            "draining": mine.draining, "drained": mine.drained,
-            # its spec versions (health/versions.py): what its units carry, what its
-            # engine started with ("" where not known)
-            "spec": {"loaded": evidence.loaded_digest if evidence else "",
-                     "running": evidence.running_digest if evidence else ""},
-            "units": {u.name: {"active": u.active_state, "sub": u.sub_state,
-                               "result": u.result, "restarts": u.n_restarts}
-                      for u in units},
-        }
+        report = shard_report(
+            replica=name, rank=shard.plan.rank, ranks=shard.plan.ranks, node=shard.plan.node,
+            serving=shard.serving, state=mine.state, reason=mine.reason,
+            generation=evidence.generation if evidence else "",
+            started=engine_started(evidence), draining=mine.draining, drained=mine.drained,
+            loaded=evidence.loaded_digest if evidence else "",
+            running=evidence.running_digest if evidence else "",
+            units={u.name: {"active": u.active_state, "sub": u.sub_state,
+                            "result": u.result, "restarts": u.n_restarts} for u in units})
         window = self.policies[name].group_restart.window
         recent = sum(1 for t in verdict.memory.restarts if now - t < window)
         body = api.encode({
             "name": name, "state": verdict.health.state, "reason": verdict.health.reason,
-            "ranks": [{"rank": r.rank, "node": r.node, "state": r.state,
-                       "reason": r.reason, "spec": {"loaded": v.loaded, "running": v.running}}
+            "ranks": [replica_rank(rank=r.rank, node=r.node, state=r.state, reason=r.reason,
+                                   loaded=v.loaded, running=v.running)
                       for r, v in zip(verdict.ranks, verdict.versions)],
             # "staged: N of M nodes" while ranks wait for the replica's group restart
             "staged": verdict.staged,

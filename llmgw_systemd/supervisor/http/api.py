@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from llmgw_systemd.gather.wire import shards_answer
 from llmgw_systemd.spec.names import is_replica_name
 from llmgw_systemd.supervisor.http.server import Changes, Request, Response
 
@@ -53,9 +54,9 @@ def shards_body(published: Published, clock: int | None = None) -> bytes:
     """The shard reports; `clock` is this node's monotonic clock in whole seconds at the
     answer, the scale of each report's `started` (a peer learns from the two how long
     ago an engine started, without comparing two nodes' clocks)."""
-    return encode({"node": published.node, "version": published.version,
-                   "clock": int(time.monotonic()) if clock is None else clock,
-                   "shards": list(published.shards)})
+    return encode(shards_answer(published.node, published.version,
+                                int(time.monotonic()) if clock is None else clock,
+                                list(published.shards)))
 
 
 def _ready(published: Published, name: str) -> Response:
