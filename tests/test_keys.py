@@ -4,6 +4,7 @@ and the docs show what the rows hold."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from llmgw_systemd.spec.document import Document
 from llmgw_systemd.spec.engines.command import COMMAND_KEYS
 from llmgw_systemd.spec.engines.table import ENGINES
 from llmgw_systemd.spec.keys import REQUIRED, Key, integer, shown_mapping
+from llmgw_systemd.spec.model import Replica
 from llmgw_systemd.spec.policies import (
     DRAIN_KEYS,
     GENERATION_KEYS,
@@ -129,3 +131,10 @@ def test_a_document_reader_names_the_file_and_line() -> None:
         ROW.read(DocumentReader(doc), doc.data["m"], ("m",))
     assert str(caught.value) == ("/etc/llmgw/replicas.d/x.yaml:2: m.k: expected a digit "
                                  "from 1 to 9; got 10")
+
+
+def test_every_common_key_row_is_a_replica_field() -> None:
+    """A Replica is built from the common key rows by name (spec/replicas.py): a row
+    without its field, or a field without its row, is caught here, not by a user."""
+    built_elsewhere = {"source"}  # the file the replica came from, not a key
+    assert {k.name for k in COMMON_KEYS} == {f.name for f in fields(Replica)} - built_elsewhere

@@ -20,7 +20,7 @@ from llmgw_systemd.spec.document import Document, KeyPath
 from llmgw_systemd.spec.engines.base import EngineEntry
 from llmgw_systemd.spec.engines.table import ENGINES
 from llmgw_systemd.spec.model import Replica, Spec
-from llmgw_systemd.spec.policies import DRAIN, STOP_MARGIN
+from llmgw_systemd.spec.policies import STOP_MARGIN
 from llmgw_systemd.spec.reader import DocumentReader
 
 # (every key some engine allows, the common ones first; engine -> the keys it allows)
@@ -114,9 +114,14 @@ def _replica(reader: DocumentReader, raw: Any, path: KeyPath, table: KeyTable) -
     _refuse_other_engines_keys(reader, data, path, entry, allowed_by_engine[entry.name])
     nodes = keys.NODES.read(reader, data, path)
     engine = entry.read(reader, data, path, nodes)
+    # every other common key by its row, into the Replica field of the same name: a new
+    # common key is its row in COMMON_KEYS and its field in Replica
+    common: dict[str, Any] = {"name": name, "nodes": nodes, "engine": engine}
+    for key in keys.COMMON_KEYS:
+        if key.name not in common:
+            common[key.name] = key.read(reader, data, path)
 
-    stop_timeout = keys.STOP_TIMEOUT.read(reader, data, path)
-    drain = DRAIN.read(reader, data, path)
+    stop_timeout, drain = common["stop_timeout"], common["drain"]
     least = engine.least_stop_timeout()
     if least is not None and stop_timeout < least[0]:
         where = (*path, "stop_timeout") if "stop_timeout" in data else path
@@ -129,40 +134,20 @@ def _replica(reader: DocumentReader, raw: Any, path: KeyPath, table: KeyTable) -
                           f"({drain.delay} + {drain.timeout} + {STOP_MARGIN} = "
                           f"{drain.least_stop_timeout} s), or systemd kills the engine "
                           "while it drains; raise stop_timeout or shorten drain")
-    gpus = keys.GPUS.read(reader, data, path)
+    gpus = common["gpus"]
     # What the units set themselves, and from which key: the spec's env may not set it.
     # A node's own env may set CUDA_VISIBLE_DEVICES (that node's GPUs differ).
     by_engine = engine.reserved_env()
     by_interface = dict.fromkeys(keys.IFNAME_VARS, "the nodes' interface")
     for rank, node in enumerate(nodes):
         own = {**by_engine, **(by_interface if node.interface is not None else {})}
-        for key, _ in node.env:
-            _refuse_reserved(reader, (*path, "nodes", rank, "env", key), key, own)
+        for key_name, _ in node.env:
+            _refuse_reserved(reader, (*path, "nodes", rank, "env", key_name), key_name, own)
     reserved = {**by_engine, **(by_interface if any(n.interface for n in nodes) else {}),
                 **({keys.GPUS_VAR: "gpus"} if gpus else {})}
-    env = keys.ENV.read(reader, data, path)
-    for key, _ in env:
-        _refuse_reserved(reader, (*path, "env", key), key, reserved)
-    return Replica(
-        name=name, nodes=nodes, engine=engine,
-        rendezvous_timeout=keys.RENDEZVOUS_TIMEOUT.read(reader, data, path),
-        port_release_timeout=keys.PORT_RELEASE_TIMEOUT.read(reader, data, path),
-        gpus=gpus, env=env,
-        environment_file=keys.ENVIRONMENT_FILE.read(reader, data, path),
-        stop_timeout=stop_timeout,
-        user=keys.USER.read(reader, data, path),
-        group=keys.GROUP.read(reader, data, path),
-        supplementary_groups=keys.SUPPLEMENTARY_GROUPS.read(reader, data, path),
-        read_write_paths=keys.READ_WRITE_PATHS.read(reader, data, path),
-        devices=keys.DEVICES.read(reader, data, path),
-        hardening=keys.HARDENING.read(reader, data, path),
-        restart=keys.RESTART.read(reader, data, path),
-        health=keys.HEALTH.read(reader, data, path),
-        group_restart=keys.GROUP_RESTART.read(reader, data, path),
-        source=reader.doc.file,
-        enable=keys.ENABLE.read(reader, data, path),
-        drain=drain,
-    )
+    for key_name, _ in common["env"]:
+        _refuse_reserved(reader, (*path, "env", key_name), key_name, reserved)
+    return Replica(**common, source=reader.doc.file)
 
 
 def _refuse_other_engines_keys(reader: DocumentReader, data: Mapping[str, Any], path: KeyPath,
