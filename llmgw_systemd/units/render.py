@@ -22,7 +22,12 @@ from llmgw_systemd.units.templating import (
 )
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-TEMPLATE_DIR = os.path.join(PACKAGE_DIR, "templates")
+# The wheel ships the templates inside the package (pyproject.toml's force-include of
+# the top-level templates/); a source checkout run in place (PYTHONPATH=., as
+# bench/scale.py runs a baseline) has them at the top.
+_SHIPPED = os.path.join(PACKAGE_DIR, "templates")
+_SOURCE = os.path.join(os.path.dirname(os.path.dirname(PACKAGE_DIR)), "templates")
+TEMPLATE_DIR = _SHIPPED if os.path.isdir(_SHIPPED) or not os.path.isdir(_SOURCE) else _SOURCE
 COMPILED_DIR = os.path.join(PACKAGE_DIR, COMPILED_PACKAGE_DIR)
 
 
