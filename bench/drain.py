@@ -3,7 +3,7 @@ scripts/setup-engines behind a real HAProxy (docs/loadbalancer.md), four clients
 16-token completions throughout. Two vLLM replicas, one at a time: `one` (one node) and
 `tp` (mp, tensor parallel over two network namespaces, each with its own systemd user
 manager and supervisor), beside a stand-in replica that takes the load meanwhile: the
-harness of tests/integration/test_engine_drain.py.
+harness of tests/engines/test_engine_drain.py.
 
 The same run twice, first with the drain off (`drain: {delay: 0, timeout: 0}`: vLLM's
 --shutdown-timeout 0 aborts what it has in flight, and nothing waits for the load
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
+sys.path[:0] = [str(ROOT / "tests" / d) for d in ("support", "integration", "engines")]
 
 import test_engine_drain as scenario  # noqa: E402
 from realengine import VLLM_VERSION, assert_engines  # noqa: E402

@@ -1,7 +1,7 @@
 """Benchmark a spec change rolled through the fleet node by node, with the real vLLM (CPU
 build) from scripts/setup-engines behind a real HAProxy (docs/loadbalancer.md), four
 clients of 16-token completions throughout: the harness of
-tests/integration/test_engine_drain.py. Two replicas in rotation: `tp` (vLLM mp, tensor
+tests/engines/test_engine_drain.py. Two replicas in rotation: `tp` (vLLM mp, tensor
 parallel over node-a, rank 0, and node-b, rank 1) and `standby` (a stand-in on node-b).
 
 The change is one variable in every engine's environment, applied with `llmgw-render
@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
+sys.path[:0] = [str(ROOT / "tests" / d) for d in ("support", "integration", "engines")]
 
 import test_engine_drain as scenario  # noqa: E402
 from realengine import VLLM_VERSION, assert_engines  # noqa: E402

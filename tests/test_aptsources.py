@@ -1,5 +1,5 @@
 """The tests' Debian roots take their mirror from this machine's apt configuration
-(tests/aptsources.py): deb822 and one-line sources, the first that serves the suite."""
+(tests/support/aptsources.py): deb822 and one-line sources, the first that serves the suite."""
 
 from __future__ import annotations
 

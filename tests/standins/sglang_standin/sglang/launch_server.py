@@ -5,7 +5,7 @@ observability/metrics_collector.py, scheduler_components/metrics_reporter.py):
 
 - its arguments as rendered (--model-path, --host, --port, --tp-size, --nnodes,
   --node-rank, --dist-init-addr, --enable-metrics; others are taken and ignored: the
-  real parser checks the rendered lines in tests/integration/test_engine_sglang_args.py);
+  real parser checks the rendered lines in tests/engines/test_engine_sglang_args.py);
 - /health and /health_generate: 503 while starting; then a one-token request, answered
   200 as soon as the scheduler sent anything back after the check began (checked once a
   second), 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s) without;

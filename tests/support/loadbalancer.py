@@ -38,7 +38,7 @@ import systemd_harness as harness
 from specs import free_port
 from systemd_harness import Netns, wait_until
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "loadbalancer.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "loadbalancer.md"
 HAPROXY = "/usr/sbin/haproxy"
 SERVED_BY = "X-Served-By"
 _UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the NUL

@@ -140,7 +140,7 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> Path:
 
 # -- the openssl recipe in docs/tls.md, run as an operator would -------------------------
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "tls.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "tls.md"
 RECIPE_MARKER = "<!-- recipe: tls -->"
 
 

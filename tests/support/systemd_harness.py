@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 
 from installed import RENDER
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 USER_MANAGER = HERE / "harness" / "user-manager"
 STANDINS = HERE / "standins"
 CGROUP_ROOTS = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from installed import GENERATOR
 
-HARNESS = Path(__file__).parent / "harness" / "system-generator"
+HARNESS = Path(__file__).resolve().parents[1] / "harness" / "system-generator"
 
 
 @dataclass
