@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / d) for d in ("support", "integration", "booted")]
+sys.path[:0] = [str(ROOT / "tests" / d) for d in ("", "support", "integration", "booted")]
 
 from nodes import ENGINE_VENV, MODEL, Node, booted_nodes  # noqa: E402
 from realengine import assert_engines  # noqa: E402

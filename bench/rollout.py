@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / d) for d in ("support", "integration", "engines")]
+sys.path[:0] = [str(ROOT / "tests" / d) for d in ("", "support", "integration", "engines")]
 
 import test_engine_drain as scenario  # noqa: E402
 from realengine import VLLM_VERSION, assert_engines  # noqa: E402

@@ -44,7 +44,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / d) for d in ("support", "integration", "engines")]
+sys.path[:0] = [str(ROOT / "tests" / d) for d in ("", "support", "integration", "engines")]
 
 
 from certs import cluster  # noqa: E402
@@ -342,9 +342,11 @@ def measure(code: Path, nodes: int, tmp: Path, options: argparse.Namespace) -> F
                 "--tls-cert", mine.cert, "--tls-key", mine.key, "--tls-ca", mine.ca,
                 str(spec)]
         env = {**manager.env, "PYTHONPATH": str(code)}
+        # cwd: `python -c` puts the working directory first on sys.path, before
+        # PYTHONPATH: run from this repository, the baseline would import today's code
         with open(tmp / "supervisor.log", "wb") as errors:
             supervisor = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                                          stderr=errors)
+                                          stderr=errors, cwd=tmp)
         wait_until(lambda: _own_digest(local), 60, "the supervisor's API")
         sims = [SimNode(r, files[node_name(r)], digest=_own_digest(local) or "")
                 for r in range(1, nodes)]
@@ -425,6 +427,8 @@ def main() -> None:
     parser.add_argument("--idle", type=float, default=20.0)
     parser.add_argument("--settle", type=float, default=5.0)
     parser.add_argument("--deaths", type=int, default=20)
+    parser.add_argument("--only", choices=("baseline", "now"),
+                        help="measure one code only (for profiling it)")
     options = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = [int(n) for n in options.sizes.split(",")]
@@ -432,6 +436,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="llmgw-scale-") as tmp:
         codes = {"baseline": baseline_tree(options.baseline, Path(tmp) / "baseline"),
                  "now": ROOT}
+        if options.only:
+            codes = {options.only: codes[options.only]}
         for nodes in sizes:
             for label, code in codes.items():
                 results[(label, nodes)] = measure(code, nodes, Path(tmp) / f"{label}-{nodes}",

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / d) for d in ("support", "integration", "engines")]
+sys.path[:0] = [str(ROOT / "tests" / d) for d in ("", "support", "integration", "engines")]
 
 import test_engine_stall as scenario  # noqa: E402
 from realengine import VLLM_VERSION, Load, assert_engines, complete  # noqa: E402

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / d) for d in ("support", "integration", "engines")]
+sys.path[:0] = [str(ROOT / "tests" / d) for d in ("", "support", "integration", "engines")]
 
 from specs import free_port  # noqa: E402
 from systemd_harness import UserManager, make_network, remove_network, wait_until  # noqa: E402

@@ -162,8 +162,13 @@ class PeerSession:
                       ) -> tuple[bytes, dict[str, Any] | None]:
         body, reusable = await exchange.run(target, self.max_bytes)
         channel = exchange.channel
-        if channel.tls is not None and channel.tls.session is not None:
-            self._tls_session = channel.tls.session  # tickets arrive after the handshake
+        if channel.tls is not None and not channel.session_kept:
+            # TLS 1.3 tickets arrive after the handshake, with the first answer. Read once
+            # per connection: each read of `session` copies it out of OpenSSL, and was a
+            # third of an idle supervisor's CPU at 64 peers (bench/scale.py, py-spy).
+            session = channel.tls.session
+            if session is not None:
+                self._tls_session, channel.session_kept = session, True
         if not (self.keep and reusable):
             self.close()
         return body, channel.peer_cert
@@ -337,6 +342,7 @@ class _Channel:
         self.where = where
         self.server_hostname = server_hostname
         self.peer_cert: dict[str, Any] | None = None
+        self.session_kept = False  # its TLS session saved for the next connection
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
         self.tls = (context.wrap_bio(self._incoming, self._outgoing,

@@ -34,7 +34,7 @@ class Readiness(NamedTuple):
     line: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one per judgement
 class Published:
     """What the API serves, as of one judgement."""
 
@@ -53,10 +53,20 @@ def encode(data: object) -> bytes:
 def shards_body(published: Published, clock: int | None = None) -> bytes:
     """The shard reports; `clock` is this node's monotonic clock in whole seconds at the
     answer, the scale of each report's `started` (a peer learns from the two how long
-    ago an engine started, without comparing two nodes' clocks)."""
-    return encode(shards_answer(published.node, published.version,
-                                int(time.monotonic()) if clock is None else clock,
-                                list(published.shards)))
+    ago an engine started, without comparing two nodes' clocks). Every peer's long-poll
+    ends with the same answer within the same second: encoded once for them all."""
+    now = int(time.monotonic()) if clock is None else clock
+    cached = _encoded.get(published)
+    if cached is None or cached[0] != now:
+        _encoded.clear()  # one published state at a time: the newest
+        cached = _encoded[published] = (now, encode(shards_answer(
+            published.node, published.version, now, list(published.shards))))
+    return cached[1]
+
+
+# The last answer encoded, by the Published it was encoded from (by identity: a new
+# judgement is a new object); only the serving loop's thread touches it.
+_encoded: dict[Published, tuple[int, bytes]] = {}
 
 
 def _ready(published: Published, name: str) -> Response:
