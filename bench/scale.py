@@ -18,8 +18,13 @@ and the working tree's, side by side in one run:
   supervisor's API (GET /v1/replicas/wide on its local listener, polled every ms over
   one connection) no longer says ready: median, p99 and max over --deaths deaths.
 
-Needs root (a private systemd user manager). Run:
-    .venv/bin/python bench/scale.py [--baseline REF] [--sizes 2,8,16,32,64]
+With --real N,...: also N real supervisors, each on its own user manager in its own
+network namespace (a bridge in a namespace of its own, no link to the root one), their
+shards real: the mean idle CPU, and SIGKILL of a rank's engine on another node until
+node 0's API says so.
+
+Needs root (private systemd user managers, namespaces). Run:
+    .venv/bin/python bench/scale.py [--baseline REF] [--sizes 2,8,16,32,64] [--real 4]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import functools
 import http.client
 import json
@@ -49,7 +55,12 @@ sys.path[:0] = [str(ROOT / "tests" / d) for d in ("", "support", "integration", 
 
 from certs import cluster  # noqa: E402
 from specs import free_port  # noqa: E402
-from systemd_harness import UserManager, wait_until  # noqa: E402
+from systemd_harness import (  # noqa: E402
+    UserManager,
+    make_network,
+    remove_network,
+    wait_until,
+)
 
 from llmgw_systemd.gather.tls import TlsFiles  # noqa: E402
 from llmgw_systemd.supervisor.config import SupervisorConfig  # noqa: E402
@@ -57,6 +68,8 @@ from llmgw_systemd.supervisor.config import SupervisorConfig  # noqa: E402
 REPLICA = "wide"
 GENERATION = "5ca1e"  # what every simulated rank reports as its engine's start
 PEER_WAIT = SupervisorConfig.peer_wait  # the long-poll wait a real peer asks for
+PORT = SupervisorConfig.listen_port  # the real nodes' API, each in its own namespace
+CLONE_NEWNET = 0x40000000
 
 
 def address(rank: int) -> str:
@@ -396,6 +409,103 @@ def measure(code: Path, nodes: int, tmp: Path, options: argparse.Namespace) -> F
         manager.stop()
 
 
+def supervisor_argv(node: int, listen: str, local: int, state: Path, tls: TlsFiles,
+                    spec: Path, netns: str | None = None) -> list[str]:
+    argv = [sys.executable, "-c", "import sys; sys.argv[0] = 'llmgw-supervisor'; "
+            "from llmgw_systemd.cli import supervisor_main; supervisor_main()",
+            "--user", "--node", node_name(node), "--listen", listen,
+            "--local", f"127.0.0.1:{local}", "--state-dir", str(state),
+            "--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca, str(spec)]
+    return ["nsenter", f"--net=/run/netns/{netns}", *argv] if netns else argv
+
+
+def measure_real(code: Path, nodes: int, tmp: Path, options: argparse.Namespace) -> Figures:
+    """N real supervisors, each on its own user manager in its own network namespace,
+    their shards real: idle CPU (the mean of all; `threads` and `sockets` of node 0),
+    and SIGKILL of a rank's engine on another node until node 0's API says so."""
+    tmp.mkdir(parents=True)
+    tag = f"sc{os.getpid() % 1000}{nodes}{tmp.name[0]}"
+    managers: list[UserManager] = []
+    sups: list[subprocess.Popen[bytes]] = []
+    poller = None
+    out = Figures()
+    try:
+        network = make_network(tag, nodes)
+        files = cluster(tmp / "tls", [(node_name(r), ns.address)
+                                      for r, ns in enumerate(network)])
+        spec = tmp / "spec.yaml"
+        spec.write_text(spec_text(nodes).replace("127.0.1.", "192.0.2."))
+        local = free_port()
+        for rank, ns in enumerate(network):
+            manager = UserManager(f"llmgw-scale-{tag}-{rank}", tmp / f"node{rank}", netns=ns)
+            managers.append(manager)
+            manager.start()
+            manager.render(spec, node_name(rank))
+            manager.systemctl("start", f"llmgw-{REPLICA}.target")
+        for rank, (manager, ns) in enumerate(zip(managers, network)):
+            env = {**manager.env, "PYTHONPATH": str(code)}
+            with open(tmp / f"supervisor-{rank}.log", "wb") as errors:
+                sups.append(subprocess.Popen(
+                    supervisor_argv(rank, f"{ns.address}:{PORT}", local, tmp / f"state{rank}",
+                                    files[node_name(rank)], spec, ns.name),
+                    env=env, stdout=subprocess.DEVNULL, stderr=errors, cwd=tmp))
+        poller = NetnsPoller(network[0].name, local)
+        wait_until(lambda: poller is not None and poller.state == "ready", 180,
+                   f"{REPLICA} ready on {nodes} real nodes")
+        time.sleep(options.settle)
+        pids = [s.pid for s in sups]  # nsenter execs the supervisor: the same PID
+        poller.interval = 0.5
+        before = [cpu_seconds(pid) for pid in pids]
+        time.sleep(options.idle)
+        used = [cpu_seconds(pid) - b for pid, b in zip(pids, before)]
+        out.cpu = statistics.mean(used) / options.idle * 100
+        out.rss = status_field(pids[0], "VmRSS") / 1024
+        out.threads = status_field(pids[0], "Threads")
+        out.sockets = sockets(pids[0])
+        poller.interval = 0.001
+        for trial in range(options.deaths):
+            victim = managers[1 + trial % (nodes - 1)]
+            wait_until(lambda: poller is not None and poller.state == "ready", 120, "ready")
+            time.sleep(0.2)
+            pid = int(victim.show(f"llmgw-{REPLICA}-engine.service", "MainPID")["MainPID"])
+            poller.left_ready, poller.armed = None, True
+            started = time.perf_counter()
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: poller is not None and poller.left_ready is not None, 30,
+                       "node 0's API to see the death", interval=0.001)
+            assert poller.left_ready is not None
+            out.deaths.append(poller.left_ready - started)
+            poller.armed = False
+        return out
+    finally:
+        if poller is not None:
+            poller.stop.set()
+        for sup in sups:
+            sup.send_signal(signal.SIGTERM)
+            sup.wait(timeout=30)
+        for manager in managers:
+            manager.stop()
+        remove_network(tag)
+
+
+class NetnsPoller(ApiPoller):
+    """ApiPoller from inside a network namespace (its thread only enters it)."""
+
+    def __init__(self, netns: str, port: int) -> None:
+        self.netns = netns
+        super().__init__(port)
+
+    def run(self) -> None:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        fd = os.open(f"/run/netns/{self.netns}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns {self.netns}")
+        finally:
+            os.close(fd)
+        super().run()
+
+
 def _get(port: int, path: str) -> object:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
@@ -427,11 +537,13 @@ def main() -> None:
     parser.add_argument("--idle", type=float, default=20.0)
     parser.add_argument("--settle", type=float, default=5.0)
     parser.add_argument("--deaths", type=int, default=20)
+    parser.add_argument("--real", default="",
+                        help="comma-separated N: also N real supervisors in namespaces")
     parser.add_argument("--only", choices=("baseline", "now"),
                         help="measure one code only (for profiling it)")
     options = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    sizes = [int(n) for n in options.sizes.split(",")]
+    sizes = [int(n) for n in options.sizes.split(",") if n]
     results: dict[tuple[str, int], Figures] = {}
     with tempfile.TemporaryDirectory(prefix="llmgw-scale-") as tmp:
         codes = {"baseline": baseline_tree(options.baseline, Path(tmp) / "baseline"),
@@ -443,6 +555,13 @@ def main() -> None:
                 results[(label, nodes)] = measure(code, nodes, Path(tmp) / f"{label}-{nodes}",
                                                   options)
                 print(f"  measured {label} at N={nodes}", file=sys.stderr, flush=True)
+        real = [int(n) for n in options.real.split(",") if n]
+        for nodes in real:
+            for label, code in codes.items():
+                results[(f"{label} real", nodes)] = measure_real(
+                    code, nodes, Path(tmp) / f"r{label}-{nodes}", options)
+                print(f"  measured {label} with {nodes} real nodes", file=sys.stderr,
+                      flush=True)
 
     def ms(values: list[float], q: float) -> str:
         if not values:
@@ -451,16 +570,19 @@ def main() -> None:
 
     print(f"baseline: {options.baseline}; idle window {options.idle:g} s; "
           f"{options.deaths} deaths each")
-    print(f"{'N':>3} {'code':9} {'CPU %':>6} {'RSS MB':>7} {'threads':>7} {'sockets':>7} "
+    print(f"{'N':>3} {'code':13} {'CPU %':>6} {'RSS MB':>7} {'threads':>7} {'sockets':>7} "
           f"{'TLS hs/s':>8} {'resumed':>7} {'req/s':>6} {'death p50/p99/max ms':>21}")
-    for nodes in sizes:
-        for label in codes:
-            f = results[(label, nodes)]
-            deaths = (f"{statistics.median(f.deaths) * 1000:.0f}/{ms(f.deaths, 0.99)}/"
-                      f"{max(f.deaths) * 1000:.0f}" if f.deaths else "-")
-            print(f"{nodes:>3} {label:9} {f.cpu:>6.2f} {f.rss:>7.1f} {f.threads:>7} "
-                  f"{f.sockets:>7} {f.handshakes:>8.1f} {f.resumed:>7} {f.requests:>6.1f} "
-                  f"{deaths:>21}")
+    rows = [(label, nodes) for nodes in sizes for label in codes]
+    rows += [(f"{label} real", nodes) for nodes in real for label in codes]
+    if real:
+        print("'real': N real supervisors (CPU: their mean; RSS, threads, sockets: node 0's)")
+    for label, nodes in rows:
+        f = results[(label, nodes)]
+        deaths = (f"{statistics.median(f.deaths) * 1000:.0f}/{ms(f.deaths, 0.99)}/"
+                  f"{max(f.deaths) * 1000:.0f}" if f.deaths else "-")
+        print(f"{nodes:>3} {label:13} {f.cpu:>6.2f} {f.rss:>7.1f} {f.threads:>7} "
+              f"{f.sockets:>7} {f.handshakes:>8.1f} {f.resumed:>7} {f.requests:>6.1f} "
+              f"{deaths:>21}")
 
 
 if __name__ == "__main__":
