@@ -8,13 +8,12 @@ versions, which never count as ready, until the other node applies."""
 from __future__ import annotations
 
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
 from specs import free_port, two_node_replica
 from supervisors import LLMGW_SYSTEMD, SupervisorProcess, stop_and_show
-from systemd_harness import Nodes, UserManager, wait_until
+from systemd_harness import Nodes, Sampler, UserManager, wait_until
 
 from llmgw_systemd.spec.names import DIGEST_VAR
 
@@ -31,28 +30,24 @@ def engine_environ(manager: UserManager) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
 
 
-class InvocationSampler:
-    """Every engine invocation seen on each node while the roll runs (systemd gives each
-    start of a unit a new InvocationID), sampled in a thread until stopped."""
+class InvocationSampler(Sampler[dict[str, str]]):
+    """Each node's engine InvocationID (systemd gives each start of a unit a new one),
+    every 0.3 s while the roll runs."""
 
     def __init__(self, managers: dict[str, UserManager]) -> None:
-        self.managers = managers
-        self.seen: dict[str, list[str]] = {node: [] for node in managers}
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stopping.wait(0.3):
-            for node, manager in self.managers.items():
-                invocation = manager.show(ENGINE, "InvocationID")["InvocationID"]
-                if invocation and invocation not in self.seen[node]:
-                    self.seen[node].append(invocation)
+        super().__init__(lambda: {node: m.show(ENGINE, "InvocationID")["InvocationID"]
+                                  for node, m in managers.items()}, 0.3, lambda _exc: {})
+        self.__enter__()
 
     def stop(self) -> dict[str, list[str]]:
-        self.stopping.set()
-        self.thread.join(timeout=30)
-        return self.seen
+        """Stop sampling; every invocation seen on each node, in order."""
+        self.__exit__()
+        seen: dict[str, list[str]] = {}
+        for _, value in self.seen:
+            for node, invocation in value.items():
+                if invocation and invocation not in seen.setdefault(node, []):
+                    seen[node].append(invocation)
+        return seen
 
 
 def test_a_change_applied_node_by_node_stages_then_restarts_once(two_nodes: Nodes,
