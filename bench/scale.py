@@ -80,7 +80,7 @@ def node_name(rank: int) -> str:
     return f"n{rank:02d}"
 
 
-def spec_text(nodes: int) -> str:
+def spec_text(nodes: int, group_restart_delay: int = 3600) -> str:
     listed = ", ".join(f"{{name: {node_name(r)}, address: {address(r)}}}"
                        for r in range(nodes))
     rank = "{commands: [{argv: [/usr/bin/sleep, infinity]}]}"
@@ -88,8 +88,10 @@ def spec_text(nodes: int) -> str:
         "replicas:", f"  - name: {REPLICA}", "    engine: command", "    serving_rank: null",
         "    restart: {delay: 1, burst: 1000, interval: 100000}",
         "    health: {stability: 0}",
-        # a simulated rank's death must not set off a group restart inside a trial
-        "    group_restart: {delay: 3600, max_delay: 3600, budget: 1000, window: 100000}",
+        # a simulated rank's death must not set off a group restart inside a trial (it
+        # comes back by itself); a real one's must, at once, for the next trial
+        f"    group_restart: {{delay: {group_restart_delay}, max_delay: "
+        f"{group_restart_delay}, budget: 1000, window: 100000}}",
         f"    nodes: [{listed}]", f"    ranks: [{', '.join([rank] * nodes)}]"]) + "\n"
 
 
@@ -434,7 +436,7 @@ def measure_real(code: Path, nodes: int, tmp: Path, options: argparse.Namespace)
         files = cluster(tmp / "tls", [(node_name(r), ns.address)
                                       for r, ns in enumerate(network)])
         spec = tmp / "spec.yaml"
-        spec.write_text(spec_text(nodes).replace("127.0.1.", "192.0.2."))
+        spec.write_text(spec_text(nodes, group_restart_delay=1).replace("127.0.1.", "192.0.2."))
         local = free_port()
         for rank, ns in enumerate(network):
             manager = UserManager(f"llmgw-scale-{tag}-{rank}", tmp / f"node{rank}", netns=ns)
