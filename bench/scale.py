@@ -120,6 +120,9 @@ class SimNode:
     version: int = 1
     digest: str = ""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # its engine started ten minutes ago and runs on: each answer's clock moves on, so
+    # how long it has run grows from answer to answer, as a real peer's does
+    started: int = field(default_factory=lambda: max(0, int(time.monotonic()) - 600))
 
     def report(self) -> bytes:
         clock = int(time.monotonic())
@@ -127,7 +130,7 @@ class SimNode:
             "node": node_name(self.rank), "version": self.version, "clock": clock,
             "shards": [{"replica": REPLICA, "rank": self.rank, "node": node_name(self.rank),
                         "state": self.state, "reason": "simulated", "generation": GENERATION,
-                        "serving": False, "started": max(0, clock - 600),
+                        "serving": False, "started": self.started,
                         "draining": None, "drained": False,
                         "spec": {"loaded": self.digest, "running": self.digest}}]}).encode()
 

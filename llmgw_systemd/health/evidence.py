@@ -11,7 +11,7 @@ Times are seconds on CLOCK_MONOTONIC, the clock systemd stamps units with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmgw_systemd.health.rules import State
 from llmgw_systemd.health.unit_state import UnitState
@@ -89,3 +89,18 @@ class PeerEvidence:
     authenticated: bool
     shards: tuple[PeerShard, ...] = ()
     error: str = ""  # non-empty: the fetch failed; shards is then empty
+
+
+def same_news(before: PeerEvidence | None, after: PeerEvidence) -> bool:
+    """Whether `after` tells nothing `before` did not: the same source, outcome and
+    authentication, the same shards but for how long their engines have run (that grows
+    with every answer, while when each started, `received_at - up_for`, stays). Such an
+    answer only makes the evidence fresher; the judge needs it at its next turn, not at
+    once."""
+    if before is None or (before.source, before.authenticated, before.error) != \
+            (after.source, after.authenticated, after.error):
+        return False
+    if len(before.shards) != len(after.shards):
+        return False
+    return all(replace(a, up_for=None) == replace(b, up_for=None)
+               for a, b in zip(before.shards, after.shards))
