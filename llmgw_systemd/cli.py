@@ -502,40 +502,15 @@ def _cluster_tls(cert: str | None, key: str | None, ca: str | None
 def _print_cluster(replicas: list[Replica], node: str, statuses: list[ShardStatus],
                    versions: dict[str, RankVersion], as_json: bool, *, peer_port: int,
                    timeout: float, tls: ssl.SSLContext | None) -> NoReturn:
-    """Ask every other node's supervisor once, all at once (one event loop: 64 nodes
-    take one --peer-timeout at most, not waves of it), then one table."""
-    import asyncio
+    """Ask every other node's supervisor once, all at once (gather/cluster.py), then one
+    table."""
     import json
 
-    from llmgw_systemd.errors import PeerError
-    from llmgw_systemd.gather.peer_client import PeerSession
-    from llmgw_systemd.gather.tls import names_node
-    from llmgw_systemd.health.cluster_view import (
-        PeerView,
-        all_ready,
-        cluster_rows,
-        staged_lines,
-    )
+    from llmgw_systemd.gather.cluster import ask_peers
+    from llmgw_systemd.health.cluster_view import all_ready, cluster_rows, staged_lines
 
     address = {n.name: n.address for r in replicas for n in r.nodes if n.name != node}
-
-    async def ask(peer: str) -> PeerView:
-        session = PeerSession(address[peer], peer_port, ssl_context=tls,
-                              server_hostname=address[peer], keep=False)
-        try:
-            answer = await session.fetch_shards(deadline=timeout)
-        except PeerError as exc:
-            return PeerView(peer, error=str(exc), tls=tls is not None)
-        finally:
-            session.close()
-        named = bool(answer.peer_cert) and names_node(answer.peer_cert or {}, peer,
-                                                      address[peer])
-        return PeerView(answer.node, answer.shards, authenticated=named, tls=tls is not None)
-
-    async def ask_all() -> list[PeerView]:
-        return list(await asyncio.gather(*(ask(peer) for peer in address)))
-
-    views = dict(zip(address, asyncio.run(ask_all())))
+    views = ask_peers(address, peer_port, timeout, tls)
     local = {s.replica: (s.health.state, s.health.reason) for s in statuses}
     where = {peer: f"{addr}:{peer_port}" for peer, addr in address.items()}
     rows = cluster_rows(replicas, node, local, views, where)
