@@ -200,8 +200,7 @@ def fetch_shards(host: str, port: int, *, deadline: float, after: int | None = N
                  clock: Callable[[], float] = time.monotonic) -> PeerAnswer:
     """One GET /v1/shards on a connection of its own (PeerSession.fetch_shards), for a
     caller without an event loop. Raises PeerError on any failure of the peer or the
-    network; ValueError on arguments out of range."""
-    _check_arguments(host, port, deadline, after, wait, max_bytes)
+    network; ValueError on arguments out of range (the session checks them)."""
     session = PeerSession(host, port, ssl_context=ssl_context,
                           server_hostname=server_hostname, max_bytes=max_bytes, clock=clock,
                           keep=False)
@@ -213,9 +212,6 @@ def fetch_replica(host: str, port: int, name: str, *, deadline: float,
     """GET /v1/replicas/NAME from the supervisor at host:port (this node's own, over
     loopback: `llmgw-render --apply` asks it about the other ranks). PeerError on any
     failure, as fetch_shards; a 404 means it does not watch the replica."""
-    _check_arguments(host, port, deadline, None, 0.0, 1 << 20)
-    if not is_replica_name(name):
-        raise ValueError(f"not a replica name: {name!r}")
     session = PeerSession(host, port, clock=clock, keep=False)
     return run_once(session, session.fetch_replica(name, deadline=deadline))
 

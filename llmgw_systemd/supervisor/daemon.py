@@ -19,6 +19,7 @@ Three threads, whatever the number of peers and probes (docs/supervisor.md, "Thr
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import contextlib
@@ -115,7 +116,7 @@ def _reads_progress(shard: LocalShard) -> bool:
     return shard.serving and http is not None and http.progress is not None
 
 
-class Task:
+class Task(abc.ABC):
     """One piece of the daemon's gathering: a coroutine run as a task on the runtime,
     with an event that wakes it before its timer ends (set from any thread)."""
 
@@ -150,8 +151,9 @@ class Task:
             log(f"internal error in {type(self).__name__}: {type(exc).__name__}: {exc}")
             raise
 
+    @abc.abstractmethod
     async def run(self) -> None:
-        raise NotImplementedError
+        """The task's body, until cancelled."""
 
 
 class Prober(Task):

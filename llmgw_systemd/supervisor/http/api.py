@@ -8,6 +8,7 @@ shard reports differ from version V, or after `wait` seconds (docs/supervisor.md
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -53,20 +54,16 @@ def encode(data: object) -> bytes:
 def shards_body(published: Published, clock: int | None = None) -> bytes:
     """The shard reports; `clock` is this node's monotonic clock in whole seconds at the
     answer, the scale of each report's `started` (a peer learns from the two how long
-    ago an engine started, without comparing two nodes' clocks). Every peer's long-poll
-    ends with the same answer within the same second: encoded once for them all."""
-    now = int(time.monotonic()) if clock is None else clock
-    cached = _encoded.get(published)
-    if cached is None or cached[0] != now:
-        _encoded.clear()  # one published state at a time: the newest
-        cached = _encoded[published] = (now, encode(shards_answer(
-            published.node, published.version, now, list(published.shards))))
-    return cached[1]
+    ago an engine started, without comparing two nodes' clocks)."""
+    return _shards_body(published, int(time.monotonic()) if clock is None else clock)
 
 
-# The last answer encoded, by the Published it was encoded from (by identity: a new
-# judgement is a new object); only the serving loop's thread touches it.
-_encoded: dict[Published, tuple[int, bytes]] = {}
+# Every peer's long-poll ends with the same answer within the same second: encoded once
+# for them all (the newest Published, by identity: a judgement makes a new one).
+@functools.lru_cache(maxsize=1)
+def _shards_body(published: Published, clock: int) -> bytes:
+    return encode(shards_answer(published.node, published.version, clock,
+                                list(published.shards)))
 
 
 def _ready(published: Published, name: str) -> Response:
