@@ -12,7 +12,9 @@ is a role, and what it may import is its boundary (docs/design.md §2).
                  D-Bus, shards, probes, the peer client, TLS; wire, engine_metrics pure
     supervisor/  the daemon alone: its runtime, state, drain requests; http/
     helpers/     the small programs the units run
-    cli, errors  the top: the only click user; the one exception tree
+    commands/    what each command does (render/--apply, status, drain, the daemon's
+                 start): shells over the roles above
+    cli, errors  the top: options only, the only click user; the one exception tree
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ SHELLS = {
     "units.render", "units.install",  # loads the package's templates; writes the unit folder
     "apply.systemctl",
     "generator.program", "generator.slow_path",  # the generator's I/O; its render
-    *under("supervisor"), *under("helpers"),
+    *under("supervisor"), *under("helpers"), *under("commands"),
     # the engine's metrics page and the wire format are parsed without I/O: pure,
     # though beside the readers
     *(under("gather") - {"gather.engine_metrics", "gather.wire"}),
@@ -83,8 +85,10 @@ MAY_IMPORT = {
     "gather": {"errors", "spec", "units.plan", "health"},
     "supervisor": {"errors", "spec", "units.plan", "health", "gather", "helpers.sd_notify"},
     "helpers": {"errors", "spec.endpoint", "spec.names", "health.drain", "health.versions"},
-    "cli": {"errors", "spec", "units", "apply", "health", "gather", "supervisor",
-            "helpers.stop_group"},
+    "commands": {"errors", "spec", "units", "apply", "health", "gather", "supervisor",
+                 "helpers.stop_group"},
+    # options only: their defaults from where each is written once, the work in commands/
+    "cli": {"errors", "commands", "spec.endpoint", "supervisor.config"},
 }
 # Never: the daemon must not reach the writers of unit files.
 NEVER = {role: {"units.install", "units.render", "apply", "generator"}
@@ -191,6 +195,16 @@ def test_the_pure_core_does_no_io(module: str) -> None:
     assert not stdlib & IMPURE_STDLIB, f"{module} imports {sorted(stdlib & IMPURE_STDLIB)}"
     shells = sorted(ours(module) & SHELLS)
     assert not shells, f"{module} imports the shell modules {shells}"
+
+
+def test_cli_only_parses_options() -> None:
+    """cli.py imports at its top only; every command's work (and what it imports) is in
+    commands/."""
+    tree = ast.parse(_source("cli").read_text(encoding="utf-8"))
+    nested = [f"line {node.lineno}" for function in ast.walk(tree)
+              if isinstance(function, ast.FunctionDef)
+              for node in ast.walk(function) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert not nested, f"cli.py imports inside functions: {nested}"
 
 
 def test_the_generators_fast_path_imports_only_what_it_must() -> None:

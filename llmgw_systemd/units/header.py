@@ -1,7 +1,7 @@
 """The header of every unit file we write (pure): the marker that makes a file ours,
 the line that says who wrote it, and reading them back. Only files that carry the marker
 are ever rewritten or removed (units/install.py); the generator's files say so on line 2
-(cli.py notes a replica made both ways); a file's replica comes from its Source line
+(llmgw-render notes a replica made both ways); a file's replica comes from its Source line
 (apply/rollout.py, for files about to be removed).
 """
 

@@ -1,0 +1,43 @@
+"""What the commands share: their defaults (read by cli.py for its options' help, so
+light to import) and how they print."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from llmgw_systemd.supervisor.drain_requests import DEFAULT_STATE_DIR
+
+SYSTEM_UNIT_DIR = "/etc/systemd/system"
+DEFAULT_SPECS = ("/etc/llmgw/replicas.d",)
+DEFAULT_TLS_DIR = "/etc/llmgw/tls"
+
+
+def say(text: str = "", *, end: str = "\n") -> None:
+    """A line of the command's result, on stdout."""
+    print(text, end=end, flush=True)
+
+
+def warn(text: str) -> None:
+    """A note or progress line, on stderr (stdout stays the result)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def this_node(node: str | None) -> str:
+    """--node, else this machine's host name (= gethostname())."""
+    return node if node is not None else os.uname().nodename
+
+
+def default_user_dir() -> str:
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    return os.path.join(config, "systemd", "user")
+
+
+def default_state_dir(user_manager: bool) -> str:
+    """systemd's StateDirectory= (it sets $STATE_DIRECTORY), else the usual place."""
+    if os.environ.get("STATE_DIRECTORY"):
+        return os.environ["STATE_DIRECTORY"].split(":")[0]
+    if user_manager:
+        base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+        return os.path.join(base, "llmgw-supervisor")
+    return DEFAULT_STATE_DIR

@@ -1,0 +1,142 @@
+"""`llmgw-systemd status`: this node's shards straight from systemd (no supervisor
+needed), through the readers the daemon uses (gather/); with --cluster, every rank of
+their replicas, asked of their nodes' supervisors all at once (gather/cluster.py) and
+tabled by health/cluster_view.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import time
+from collections.abc import Sequence
+
+from llmgw_systemd.apply.systemctl import running_digest
+from llmgw_systemd.commands.common import (
+    DEFAULT_SPECS,
+    DEFAULT_TLS_DIR,
+    default_state_dir,
+    say,
+    this_node,
+)
+from llmgw_systemd.errors import TlsError, UsageError
+from llmgw_systemd.gather.cluster import ask_peers
+from llmgw_systemd.gather.shard_reader import ShardStatus, local_shards, probe_shard, read_status
+from llmgw_systemd.gather.systemd_bus import SystemdBus
+from llmgw_systemd.gather.tls import client_context, find_tls_files
+from llmgw_systemd.health.cluster_view import all_ready, cluster_rows, staged_lines
+from llmgw_systemd.health.rules import READY
+from llmgw_systemd.health.versions import RankVersion
+from llmgw_systemd.spec.files import read_documents
+from llmgw_systemd.spec.model import Replica
+from llmgw_systemd.spec.names import DIGEST_SHOWN
+from llmgw_systemd.spec.replicas import build_spec
+from llmgw_systemd.supervisor import drain_requests
+
+
+def status(name: str | None, *, specs: tuple[str, ...], node: str | None,
+           user_manager: bool, as_json: bool, cluster: bool, peer_port: int,
+           peer_timeout: float, tls_cert: str | None, tls_key: str | None,
+           tls_ca: str | None) -> int:
+    """Print the table (or JSON); the exit status: 0 when every shard (or rank) shown is
+    ready, 3 when one is not."""
+    spec = build_spec(read_documents(specs or DEFAULT_SPECS))
+    node_name = this_node(node)
+    shards = [s for s in local_shards(spec, node_name)
+              if name is None or s.replica.name == name]
+    if name is not None and not shards:
+        raise UsageError("NAME", f"replica '{name}' has no shard on node '{node_name}'")
+    tls = _cluster_tls(tls_cert, tls_key, tls_ca) if cluster else None
+    bus = SystemdBus(user=user_manager)
+    try:
+        probes = {s.replica.name: probe_shard(s) for s in shards}
+        # CLOCK_MONOTONIC, as systemd's timestamps (after the probes: they take time)
+        statuses = read_status(bus, shards, probes, int(time.monotonic() * 1e6))
+    finally:
+        bus.close()
+    versions = {s.replica: _local_version(s, shard.plan.services[-1].name)
+                for s, shard in zip(statuses, shards)}
+    if cluster:
+        return _print_cluster([s.replica for s in shards], node_name, statuses, versions,
+                              as_json, peer_port=peer_port, timeout=peer_timeout, tls=tls)
+    if as_json:
+        say(json.dumps([{
+            "replica": s.replica, "rank": s.rank, "ranks": s.ranks, "node": s.node,
+            "state": s.health.state, "reason": s.health.reason,
+            "spec": {"loaded": versions[s.replica].loaded,
+                     "running": versions[s.replica].running},
+            "units": {u.name: {"active": u.active_state, "sub": u.sub_state,
+                               "result": u.result, "restarts": u.n_restarts}
+                      for u in s.units}} for s in statuses], indent=2))
+    else:
+        _table([("REPLICA", "RANK", "NODE", "STATE", "REASON")] + [
+            (s.replica, f"{s.rank}/{s.ranks}", s.node, s.health.state, s.health.reason)
+            for s in statuses])
+        for line in _drain_notes([s.replica for s in statuses], user_manager):
+            say(line)
+        for replica, v in versions.items():
+            if v.staged:
+                say(f"replica {replica}: staged on this node: its engine runs "
+                    f"{v.running[:DIGEST_SHOWN]}, its units carry "
+                    f"{v.loaded[:DIGEST_SHOWN]}; it restarts "
+                    "once when the last of its nodes applies (--cluster: how many)")
+    return 0 if all(s.health.state == READY for s in statuses) else 3
+
+
+def _local_version(status: ShardStatus, engine: str) -> RankVersion:
+    """This node's rank's spec versions: what its engine unit carries, and what the
+    engine process started with (its own environment)."""
+    unit = next((u for u in status.units if u.name == engine), None)
+    if unit is None:
+        return RankVersion(status.rank, status.node)
+    return RankVersion(status.rank, status.node, unit.spec_digest,
+                       running_digest(unit.main_pid))
+
+
+def _drain_notes(replicas: list[str], user_manager: bool) -> list[str]:
+    """Who took which replica out of rotation on this node, and since when."""
+    requests, _ = drain_requests.load(default_state_dir(user_manager))
+    return [f"drained on this node: {r.replica or 'every replica'} by {r.by} since {r.since}"
+            + (f" ({r.reason})" if r.reason else "")
+            + f"; llmgw-systemd resume {r.replica or '--node'} puts it back"
+            for r in requests if r.replica is None or r.replica in replicas]
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> None:
+    """Columns padded to their widest cell; the last one (a reason) left as it is."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        say("  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1])
+
+
+def _cluster_tls(cert: str | None, key: str | None, ca: str | None
+                 ) -> ssl.SSLContext | None:
+    try:
+        files = find_tls_files(cert, key, ca, credentials_dir=DEFAULT_TLS_DIR
+                               if os.path.isdir(DEFAULT_TLS_DIR) else None)
+        return client_context(files) if files is not None else None
+    except (TlsError, OSError) as exc:
+        raise UsageError("--tls-cert/--tls-key/--tls-ca", str(exc)) from None
+
+
+def _print_cluster(replicas: list[Replica], node: str, statuses: list[ShardStatus],
+                   versions: dict[str, RankVersion], as_json: bool, *, peer_port: int,
+                   timeout: float, tls: ssl.SSLContext | None) -> int:
+    """Ask every other node's supervisor once, all at once (gather/cluster.py), then one
+    table."""
+    address = {n.name: n.address for r in replicas for n in r.nodes if n.name != node}
+    views = ask_peers(address, peer_port, timeout, tls)
+    local = {s.replica: (s.health.state, s.health.reason) for s in statuses}
+    where = {peer: f"{addr}:{peer_port}" for peer, addr in address.items()}
+    rows = cluster_rows(replicas, node, local, views, where)
+    if as_json:
+        say(json.dumps([{"replica": r.replica, "rank": r.rank, "ranks": r.ranks,
+                         "node": r.node, "state": r.state, "reason": r.reason,
+                         "source": r.source} for r in rows], indent=2))
+    else:
+        _table([("REPLICA", "RANK", "NODE", "STATE", "SOURCE", "REASON")] + [
+            (r.replica, f"{r.rank}/{r.ranks}", r.node, r.state, r.source, r.reason)
+            for r in rows])
+        for line in staged_lines(replicas, node, versions, views):
+            say(line)
+    return 0 if all_ready(rows) else 3
