@@ -107,6 +107,9 @@ def test_a_change_applied_node_by_node_stages_then_restarts_once(two_nodes: Node
         a.start()
         a.wait_state("rep", "ready", 60)
         says_staged(a)
+        # and node-b's has heard from it again (its fetcher backs off while node-a's
+        # supervisor is down): an apply asked before that restarts at once, versions unknown
+        says_staged(b)
 
         # the worker's node applies last: one group restart, and the apply waits for it
         last = worker.apply(spec, "node-b")
