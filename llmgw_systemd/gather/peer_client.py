@@ -410,6 +410,7 @@ class _Channel:
         self.server_hostname = server_hostname
         self.peer_cert: dict[str, Any] | None = None
         self.session_kept = False  # its TLS session saved for the next connection
+        self.http: h11.Connection | None = None  # its HTTP state, kept between requests
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
         self.tls = (context.wrap_bio(self._incoming, self._outgoing,
@@ -537,7 +538,12 @@ class _Exchange:
     async def run(self, target: str, max_bytes: int) -> tuple[bytes, bool]:
         """The answer's body, and whether the connection may carry another request."""
         budget, channel = self.budget, self.channel
-        conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
+        conn = channel.http
+        if conn is None:
+            conn = channel.http = h11.Connection(h11.CLIENT,
+                                                 max_incomplete_event_size=MAX_HEADER_BYTES)
+        else:  # reused only after a complete exchange (PeerSession._finish)
+            conn.start_next_cycle()
         headers = [("Host", self.where), ("User-Agent", USER_AGENT),
                    ("Accept", "application/json")]
         if not self.keep:

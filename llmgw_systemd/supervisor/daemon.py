@@ -228,7 +228,9 @@ class PeerFetcher(Task):
             while True:
                 # at most MAX_FETCH_RATE fetches a second, even from a peer that ignores
                 # the long-poll's wait or changes its version on every answer
-                await asyncio.sleep(max(0.0, started + 1 / MAX_FETCH_RATE - time.monotonic()))
+                pause = started + 1 / MAX_FETCH_RATE - time.monotonic()
+                if pause > 0:
+                    await asyncio.sleep(pause)
                 started = time.monotonic()
                 try:
                     wait = config.peer_wait if after is not None else 0.0
