@@ -14,6 +14,7 @@ import click
 from llmgw_systemd import __version__
 from llmgw_systemd.commands import drain, render, status, supervisor
 from llmgw_systemd.commands.common import DEFAULT_SPECS, DEFAULT_TLS_DIR, SYSTEM_UNIT_DIR
+from llmgw_systemd.commands.status import WATCH_INTERVAL
 from llmgw_systemd.errors import BadInput, LlmgwError
 from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL, SUPERVISOR_PORT
 from llmgw_systemd.supervisor.config import SupervisorConfig
@@ -128,6 +129,11 @@ def systemd_group() -> None:
               help="With --cluster: bound on each supervisor's answer.")
 @tls_options("With --cluster: ", f"node.crt, node.key, ca.crt in {DEFAULT_TLS_DIR} when "
              "there")
+@click.option("--watch", is_flag=True,
+              help="Keep the table on the screen, redrawn in place when it changes, until "
+                   "Ctrl-C (exit 0).")
+@click.option("--interval", type=click.FloatRange(0.2, 3600), default=WATCH_INTERVAL,
+              show_default=True, metavar="SECONDS", help="With --watch: between looks.")
 def status_command(name: str | None, **options: Any) -> None:
     """Health of this node's shards, straight from systemd (no supervisor needed); with
     --cluster, of every rank of their replicas.

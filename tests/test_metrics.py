@@ -3,9 +3,15 @@ published judgement, so what is exported is exactly what that judgement holds.""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw_systemd.supervisor.http.metrics import Figures, ReplicaFigures, SupervisorMetrics
+from llmgw_systemd.supervisor.http.metrics import (
+    Figures,
+    ReplicaFigures,
+    SupervisorMetrics,
+    unroutable_since,
+)
 
 
 def samples(metrics: SupervisorMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -46,6 +52,12 @@ def test_series_follow_the_last_judgement() -> None:
     assert got[("llmgw_peer_fetch_failures_total", (("kind", "timeout"), ("peer", "n2")))] == 1
     assert ("llmgw_peer_fetch_failures_total", (("kind", "connect"), ("peer", "n3"))) not in got
     assert got[("llmgw_peer_reports_ignored_total", (("replica", "b"),))] == 1
+    # counters are there at 0 before their first count, so increase() sees that one too
+    assert got[("llmgw_peer_reports_ignored_total", (("replica", "a"),))] == 0
+    assert got[("llmgw_peer_fetch_failures_total", (("kind", "tls"), ("peer", "n2")))] == 0
+    assert got[("llmgw_stall_restarts_total", (("replica", "a"),))] == 0
+    assert got[("llmgw_drains_total", (("event", "cut-short"), ("replica", "b")))] == 0
+    assert got[("llmgw_drain_cut_short_requests_total", (("replica", "a"),))] == 0
     assert got[("llmgw_systemd_reachable", ())] == 1
     assert got[("llmgw_dbus_reads_total", ())] == 0
     assert got[("llmgw_http_connections", (("listener", "api"),))] == 2
@@ -64,3 +76,38 @@ def test_series_follow_the_last_judgement() -> None:
     current[0] = figures("a", "b")
     got = samples(metrics)
     assert ("llmgw_probe_seconds_count", (("replica", "a"),)) not in got
+
+
+def test_what_the_alerts_compare_is_exported() -> None:
+    """The "not routable for longer than its start" and "budget spent" alerts compare
+    series the supervisor exports (packaging/prometheus/llmgw-rules.yml)."""
+    import time
+
+    since = time.monotonic() - 30
+    current = Figures((ReplicaFigures("a", "failed", 2, 0, "failed", (), routable=False,
+                                      unroutable_since=since, ready_within=123,
+                                      group_budget=6),
+                       ReplicaFigures("b", "ready", 0, 1, "ready", (), routable=True,
+                                      ready_within=99, group_budget=3)))
+    got = samples(SupervisorMetrics(lambda: current, dict))
+    assert 30 <= got[("llmgw_replica_unroutable_seconds", (("replica", "a"),))] < 60
+    assert got[("llmgw_replica_unroutable_seconds", (("replica", "b"),))] == 0
+    assert got[("llmgw_replica_ready_within_seconds", (("replica", "a"),))] == 123
+    assert got[("llmgw_group_restart_budget", (("replica", "b"),))] == 3
+    assert got[("llmgw_replica_routable", (("replica", "a"),))] == 0
+
+
+@pytest.mark.parametrize(("routable", "before", "expected"), [
+    (True, None, None),  # routable: no since
+    (True, 5.0, None),  # routable again: forgotten
+    (False, None, 100.0),  # first seen not routable: from now
+    (False, 5.0, 5.0),  # still not routable: kept
+    (False, "routable", 100.0),  # just stopped being routable: from now
+])
+def test_unroutable_since(routable: bool, before: float | str | None,
+                          expected: float | None) -> None:
+    last = (None if before is None else
+            ReplicaFigures("a", "ready", 0, 0, "ready", (), routable=True) if before == "routable"
+            else ReplicaFigures("a", "failed", 0, 0, "failed", (),
+                                unroutable_since=float(before)))
+    assert unroutable_since(routable, last, 100.0) == expected

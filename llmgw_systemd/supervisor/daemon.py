@@ -41,9 +41,9 @@ from llmgw_systemd.gather.shard_reader import LocalShard, local_shards
 from llmgw_systemd.gather.systemd_bus import SystemdBus
 from llmgw_systemd.gather.tls import client_context, names_node, server_context
 from llmgw_systemd.gather.wire import replica_rank, shard_report
-from llmgw_systemd.health.drain import STARTED as DRAIN_STARTED
-from llmgw_systemd.health.drain import DrainRequest
+from llmgw_systemd.health.drain import DrainEvent, DrainRequest
 from llmgw_systemd.health.drain import events as drain_events
+from llmgw_systemd.health.events import ignored_event, replica_events, restart_notes
 from llmgw_systemd.health.evidence import (
     LocalEvidence,
     PeerEvidence,
@@ -63,8 +63,14 @@ from llmgw_systemd.spec.replicas import collect_spec, keep_last_good
 from llmgw_systemd.supervisor import drain_requests
 from llmgw_systemd.supervisor.config import SupervisorConfig
 from llmgw_systemd.supervisor.http import api
-from llmgw_systemd.supervisor.http.metrics import Figures, ReplicaFigures, SupervisorMetrics
+from llmgw_systemd.supervisor.http.metrics import (
+    Figures,
+    ReplicaFigures,
+    SupervisorMetrics,
+    unroutable_since,
+)
 from llmgw_systemd.supervisor.http.server import Changes, HttpServer, Request, Response
+from llmgw_systemd.supervisor.journal import Journal
 from llmgw_systemd.supervisor.rate_limited_log import RateLimitedLog
 from llmgw_systemd.supervisor.runtime import Runtime
 from llmgw_systemd.supervisor.state_file import (
@@ -73,6 +79,7 @@ from llmgw_systemd.supervisor.state_file import (
     save_restarts,
     save_versions,
 )
+from llmgw_systemd.units.plan import ready_within
 
 
 def log(message: str) -> None:
@@ -303,6 +310,7 @@ class Supervisor:
             lambda: self.figures,
             lambda: {name: server.stats for name, server in self.servers.items()})
         self.limited_log = RateLimitedLog(log)
+        self.journal = Journal(log)  # events with fields, when stderr is the journal
         self.requests: tuple[DrainRequest, ...] = ()  # operators' drains on this node
         self.requests_stamp = -1.0
 
@@ -489,8 +497,10 @@ class Supervisor:
         for policy in list(self.policies.values()):  # counted once per answer received
             for line in refused(policy, evidence):
                 self.metrics.ignored_reports.inc(policy.name)
-                self.limited_log(f"ignored:{policy.name}:{evidence.source}",
-                              f"{policy.name}: ignored a report: {line}")
+                said = self.limited_log.allow(f"ignored:{policy.name}:{evidence.source}")
+                if said is not None:
+                    event = ignored_event(policy.name, evidence.source, line)
+                    self.journal.send(replace(event, message=event.message + said))
         with self.lock:
             before = self.peers.get(evidence.source)
             self.peers[evidence.source] = evidence
@@ -538,6 +548,7 @@ class Supervisor:
             server.stop()
         self.runtime.stop()  # every task: probers, fetchers, the watchdog, connections
         self.bus.close()
+        self.journal.close()
 
     async def _watchdog(self) -> None:
         """WATCHDOG=1 while the reconcile loop and the runtime are alive. Reconcile's
@@ -693,9 +704,13 @@ class Supervisor:
                             requests=self.requests)
             self.memory[name] = verdict.memory
             self.verdicts[name] = verdict
-            self._count_drain(policy, before, verdict, now)
-            for note in verdict.notes:
-                log(note)
+            drains = self._count_drain(policy, before, verdict, now)
+            for event in replica_events(name, policy.rank, self.config.node, before, verdict,
+                                        drains):
+                self.journal.send(event)
+            if not restart_notes(before, verdict):  # a restart's notes are its event's line
+                for note in verdict.notes:
+                    log(note)
             for restart in verdict.actions:  # RestartShard is the only action
                 if restart.cause == STALL:
                     self.metrics.stall_restarts.inc(name)
@@ -709,20 +724,15 @@ class Supervisor:
         self._publish(local, now, only)
 
     def _count_drain(self, policy: ReplicaPolicy, before: Verdict | None, verdict: Verdict,
-                     now: float) -> None:
-        """A drain's start and end, logged, and counted on the node that counts the
-        requests in flight (the serving rank's; rank 0's when none serves)."""
+                     now: float) -> tuple[DrainEvent, ...]:
+        """A drain's start and end, counted on the node that counts the requests in
+        flight (the serving rank's; rank 0's when none serves); returned for the journal."""
         changes = drain_events(before.drain if before is not None else None, verdict.drain,
                                verdict.memory.drain, now)
-        counts_here = policy.serving or (policy.serving_rank is None and policy.rank == 0)
-        for event in changes:
-            if event.kind == DRAIN_STARTED:
-                log(f"{policy.name}: draining: {verdict.health.reason}")
-            else:
-                log(f"{policy.name}: drained after {event.seconds:.1f} s: "
-                    f"{verdict.drain.reason if verdict.drain else ''}")
-            if counts_here:
+        if policy.serving or (policy.serving_rank is None and policy.rank == 0):
+            for event in changes:
                 self.metrics.count_drain(policy.name, event)
+        return changes
 
     # -- publishing ----------------------------------------------------------------------
 
@@ -770,10 +780,15 @@ class Supervisor:
                          if verdict.liveness is not None else None),
             "systemd": "unreachable: " + self.bus_error if self.bus_error else "ok",
         })
+        before = next((r for r in self.figures.replicas if r.name == name), None)
         figures = ReplicaFigures(name, verdict.health.state, recent, shard.plan.rank,
                                  mine.state, tuple((u.name, u.n_restarts) for u in units
                                                    if u.name.endswith(".service")),
-                                 routable=verdict.routable)
+                                 routable=verdict.routable,
+                                 unroutable_since=unroutable_since(
+                                     verdict.routable, before, now),
+                                 ready_within=ready_within(shard.replica),
+                                 group_budget=shard.replica.group_restart.budget)
         busy = " (busy)" if verdict.liveness is not None and verdict.liveness.verdict == BUSY \
             else ""
         readiness = api.Readiness(verdict.routable, (

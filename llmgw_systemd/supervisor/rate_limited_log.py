@@ -20,16 +20,22 @@ class RateLimitedLog:
         self._lock = threading.Lock()
 
     def __call__(self, kind: str, message: str) -> None:
+        said = self.allow(kind)
+        if said is None:
+            return
+        with contextlib.suppress(Exception):  # a broken log sink must not stop the caller
+            self._log(message + said)
+
+    def allow(self, kind: str) -> str | None:
+        """None when this kind was said within the interval (counted, not said); else
+        what to add to its message: how many were left out since, or ""."""
         now = time.monotonic()
         with self._lock:
             at, left_out = self._last.get(kind, (-1e18, 0))
             if now - at < self._interval:
                 self._last[kind] = (at, left_out + 1)
-                return
+                return None
             if len(self._last) >= MAX_KINDS:
                 self._last.clear()
             self._last[kind] = (now, 0)
-        if left_out:
-            message += f" ({left_out} more like this not logged)"
-        with contextlib.suppress(Exception):  # a broken log sink must not stop the caller
-            self._log(message)
+        return f" ({left_out} more like this not logged)" if left_out else ""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -140,3 +142,46 @@ def test_status_cluster_shows_every_rank_from_any_node_and_a_peer_down(
     finally:
         for sup in sups:
             sup.stop()
+
+
+def test_status_watch_redraws_on_a_change_and_ends_on_ctrl_c(
+        one_node: UserManager, tmp_path: Path) -> None:
+    """`status --watch` in a real terminal (tmux): the table drawn in place, drawn again
+    when the shard stops, and Ctrl-C ends it with status 0."""
+    tmux = shutil.which("tmux")
+    assert tmux, "tmux not found: scripts/setup --test installs it"
+    spec = one_node_shard(tmp_path / "spec.yaml", name="shard", http=free_port(),
+                          head=free_port(), pid_file=tmp_path / "pids")
+    one_node.render(spec, "node")
+    one_node.systemctl("start", "llmgw-shard.target")
+    socket = str(tmp_path / "tmux.sock")  # a tmux server of this test's own
+
+    def tmux_run(*args: str) -> str:
+        return subprocess.run([tmux, "-S", socket, *args], capture_output=True, text=True,
+                              env=one_node.env, timeout=30, check=True).stdout
+
+    def screen() -> str:
+        return tmux_run("capture-pane", "-p", "-t", "watch")
+
+    def screen_with(text: str) -> str | None:
+        shown = screen()
+        return shown if text in shown else None
+
+    command = shlex.join([STATUS, "status", "--user", "--node", "node", "--spec", str(spec),
+                          "--watch", "--interval", "0.3"])
+    tmux_run("new-session", "-d", "-s", "watch", "-x", "160", "-y", "40",
+             f"{command}; echo EXIT=$?; sleep 600")
+    try:
+        wait_until(lambda: " ready " in screen(), 60, "the watch to show the shard ready")
+        one_node.systemctl("stop", "llmgw-shard.target")
+        drawn = wait_until(lambda: screen_with(" stopped "), 60,
+                           "the watch to redraw the shard stopped")
+        # in place: the screen holds one table, the new one
+        assert drawn.count("REPLICA") == 1 and " ready " not in drawn, drawn
+        tmux_run("send-keys", "-t", "watch", "C-c")
+        ended = wait_until(lambda: screen_with("EXIT="), 30, "the watch to end on Ctrl-C")
+        assert "EXIT=0" in ended, ended
+        assert "Traceback" not in ended, ended
+    finally:
+        subprocess.run([tmux, "-S", socket, "kill-server"], capture_output=True, timeout=30,
+                       check=False)

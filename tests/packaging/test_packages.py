@@ -42,6 +42,10 @@ MAN_PAGES = (*(f"/usr/share/man/man1/{e}.1" for e in ENTRY_POINTS
                if e != "llmgw-systemd-generator"),
              "/usr/share/man/man8/llmgw-systemd-generator.8")
 COMPLETIONS = tuple(f"/usr/share/bash-completion/completions/{e}" for e in ENTRY_POINTS)
+# what an operator points Prometheus (and later Grafana) at (docs/monitoring.md)
+MONITORING = ("/usr/share/llmgw-systemd/prometheus/llmgw-rules.yml",
+              "/usr/share/llmgw-systemd/grafana/llmgw-dashboard.json",
+              "/usr/lib/systemd/catalog/llmgw-systemd.catalog")
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -130,7 +134,7 @@ def test_deb_holds_what_it_should_and_nothing_from_the_build() -> None:
                 "/usr/lib/python3/dist-packages/llmgw_systemd/cli.py",
                 "/usr/lib/python3/dist-packages/llmgw_systemd/units/templates/service.j2",
                 *LEAST_PRIVILEGE_FILES,
-                *(f"{p}.gz" for p in MAN_PAGES), *COMPLETIONS]  # dh_installman gzips
+                *(f"{p}.gz" for p in MAN_PAGES), *COMPLETIONS, *MONITORING]  # dh_installman gzips
     for path in expected:
         assert path in files, path
     assert any("/llmgw_systemd/units/compiled_templates/tmpl_" in f for f in files)
@@ -196,7 +200,7 @@ def test_rpm_files_requirements_and_scripts(tmp_path: Path) -> None:
     files = run("rpm", "-qlp", str(RPM)).stdout.splitlines()
     for path in (*(f"/usr/bin/{e}" for e in ENTRY_POINTS), *RPM_GENERATOR_LINKS,
                  "/usr/lib/systemd/system/llmgw-supervisor.service", "/etc/llmgw/replicas.d",
-                 *LEAST_PRIVILEGE_FILES, *COMPLETIONS):
+                 *LEAST_PRIVILEGE_FILES, *COMPLETIONS, *MONITORING):
         assert path in files, path
     for page in MAN_PAGES:  # compressed by rpm's brp-compress where the build host has it
         assert any(f in files for f in (page, f"{page}.gz", f"{page}.xz", f"{page}.zst")), page

@@ -10,6 +10,7 @@ private part of prometheus_client is touched.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -23,12 +24,14 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from llmgw_systemd.health.drain import STARTED, DrainEvent
+from llmgw_systemd.errors import PEER_FAILURES
+from llmgw_systemd.health.drain import CUT_SHORT, FINISHED, STARTED, DrainEvent
 from llmgw_systemd.health.rules import STATES, State
 
 # prometheus_client's default buckets (seconds), the usual ones for request latency
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 # drains last seconds to minutes: the delay, then the requests in flight
+DRAIN_EVENTS = (STARTED, FINISHED, CUT_SHORT)
 DRAIN_BUCKETS = (1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0)
 
 
@@ -43,6 +46,22 @@ class ReplicaFigures:
     shard_state: State
     unit_restarts: tuple[tuple[str, int], ...]  # (unit, systemd's NRestarts)
     routable: bool = False  # a gateway should send it new requests
+    # since when (monotonic) it has not been routable, as this supervisor saw it: None
+    # while routable; from the supervisor's start when it never was
+    unroutable_since: float | None = None
+    ready_within: int = 0  # how long a (re)start may take to be routable (units.plan)
+    group_budget: int = 0  # group restarts allowed within the window (group_restart.budget)
+
+
+def unroutable_since(routable: bool, before: ReplicaFigures | None,
+                     now: float) -> float | None:
+    """When the replica stopped being routable: kept from the last figures while it stays
+    so, `now` when it just stopped (or is first seen so), None while routable."""
+    if routable:
+        return None
+    if before is not None and before.unroutable_since is not None:
+        return before.unroutable_since
+    return now
 
 
 @dataclass(frozen=True)
@@ -99,13 +118,18 @@ class Counts:
             self._counts[labels] = self._counts.get(labels, 0) + 1
 
     def family(self, name: str, doc: str, labels: list[str],
-               keep: Callable[[tuple[str, ...]], bool] = lambda _: True
-               ) -> CounterMetricFamily:
+               keep: Callable[[tuple[str, ...]], bool] = lambda _: True,
+               zeros: Iterable[tuple[str, ...]] = ()) -> CounterMetricFamily:
+        """The totals whose labels `keep` accepts (the others are forgotten), and a 0 for
+        each label set of `zeros` not counted yet: a counter that appears at 1 hides its
+        first increase from increase() and rate(), and a dashboard finds no series."""
         family = CounterMetricFamily(name, doc, labels=labels)
         with self._lock:
             for key in [k for k in self._counts if not keep(k)]:
                 del self._counts[key]
-            for key, value in sorted(self._counts.items()):
+            counts = dict.fromkeys(zeros, 0)
+            counts.update(self._counts)
+            for key, value in sorted(counts.items()):
                 family.add_metric(list(key), value)
             if not labels and not self._counts:
                 family.add_metric([], 0)  # a plain counter is there from the start
@@ -146,7 +170,24 @@ class SupervisorMetrics(Collector):
         routable = GaugeMetricFamily("llmgw_replica_routable", "1 while a gateway should send "
                                      "the replica new requests (GET /v1/replicas/NAME/ready "
                                      "answers 200)", labels=["replica"])
+        unroutable = GaugeMetricFamily(
+            "llmgw_replica_unroutable_seconds", "how long the replica has not been routable "
+            "(0 while it is), as this supervisor saw it: counted from its own start at most",
+            labels=["replica"])
+        ready_within = GaugeMetricFamily(
+            "llmgw_replica_ready_within_seconds", "how long a (re)start of the replica may "
+            "take until it is routable: its stop, rendezvous, group restart delay and "
+            "stability, from its spec", labels=["replica"])
+        budget = GaugeMetricFamily(
+            "llmgw_group_restart_budget", "group restarts allowed within the window "
+            "(group_restart.budget); at llmgw_group_restarts the supervisor stops restarting",
+            labels=["replica"])
+        now = time.monotonic()
         for r in figures.replicas:
+            unroutable.add_metric([r.name], 0.0 if r.unroutable_since is None
+                                  else round(max(0.0, now - r.unroutable_since), 3))
+            ready_within.add_metric([r.name], r.ready_within)
+            budget.add_metric([r.name], r.group_budget)
             for s in STATES:
                 state.add_metric([r.name, s], 1.0 if r.state == s else 0.0)
                 shard.add_metric([r.name, str(r.rank), s], 1.0 if r.shard_state == s else 0.0)
@@ -154,18 +195,19 @@ class SupervisorMetrics(Collector):
                 units.add_metric([r.name, unit], restarts)
             group.add_metric([r.name], r.group_restarts)
             routable.add_metric([r.name], 1.0 if r.routable else 0.0)
-        yield from (state, shard, units, group, routable)
+        yield from (state, shard, units, group, routable, unroutable, ready_within, budget)
         yield self.drains.family(
             "llmgw_drains", "drains of the replica by event: started (a planned stop or an "
             "operator's drain took it out of rotation), finished (nothing left in flight), "
             "cut-short (drain.timeout ran out first); counted by the serving rank's node",
-            ["replica", "event"], keep=lambda k: k[0] in set(replicas))
+            ["replica", "event"], keep=lambda k: k[0] in set(replicas),
+            zeros=[(r, kind) for r in replicas for kind in DRAIN_EVENTS])
         yield self.drain_seconds.family("llmgw_drain_seconds", "how long drains took, from "
                                         "out of rotation to drained", replicas)
         yield self.cut_short_in_flight.family(
             "llmgw_drain_cut_short_requests", "requests still in flight when a drain was cut "
             "short by drain.timeout (as the engine counted them)", ["replica"],
-            keep=lambda k: k[0] in set(replicas))
+            keep=lambda k: k[0] in set(replicas), zeros=[(r,) for r in replicas])
         yield self.probe_seconds.family("llmgw_probe_seconds", "HTTP health probe latency",
                                         replicas)
         yield self.completion_seconds.family(
@@ -174,15 +216,17 @@ class SupervisorMetrics(Collector):
         peers = set(figures.peers)
         yield self.peer_failures.family(
             "llmgw_peer_fetch_failures", "failed fetches of a peer supervisor's reports, by "
-            "kind", ["peer", "kind"], keep=lambda k: k[0] in peers)
+            "kind", ["peer", "kind"], keep=lambda k: k[0] in peers,
+            zeros=[(p, kind) for p in sorted(peers) for kind in PEER_FAILURES])
         known = set(replicas)
         yield self.ignored_reports.family(
             "llmgw_peer_reports_ignored", "peer reports refused: from a node the rank is not "
-            "assigned to, or unauthenticated", ["replica"], keep=lambda k: k[0] in known)
+            "assigned to, or unauthenticated", ["replica"], keep=lambda k: k[0] in known,
+            zeros=[(r,) for r in replicas])
         yield self.stall_restarts.family(
             "llmgw_stall_restarts", "group restarts of this node's shard because its serving "
             "rank stalled: work pending and no engine step for health.stall_after",
-            ["replica"], keep=lambda k: k[0] in known)
+            ["replica"], keep=lambda k: k[0] in known, zeros=[(r,) for r in replicas])
         yield GaugeMetricFamily("llmgw_systemd_reachable", "1 when systemd answers over D-Bus",
                                 value=1.0 if figures.systemd_reachable else 0.0)
         yield self.dbus_reads.family("llmgw_dbus_reads", "bulk reads of unit state from "
