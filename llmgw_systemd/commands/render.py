@@ -18,7 +18,13 @@ from llmgw_systemd.apply.rollout import (
     not_back_yet,
 )
 from llmgw_systemd.apply.systemctl import running_digest, systemctl, unit_path, unit_states
-from llmgw_systemd.commands.common import SYSTEM_UNIT_DIR, default_user_dir, say, warn
+from llmgw_systemd.commands.common import (
+    SYSTEM_UNIT_DIR,
+    default_user_dir,
+    say,
+    this_node,
+    warn,
+)
 from llmgw_systemd.errors import LlmgwError, NoShard, NotBackError, PeerError, UsageError
 from llmgw_systemd.gather.peer_client import fetch_replica
 from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL
@@ -54,7 +60,7 @@ def render(specs: tuple[str, ...], *, node: str | None, output: str | None, dry_
         raise UsageError("--start", "starts new replicas as part of --apply; add --apply")
     if no_wait and not apply_:
         raise UsageError("--no-wait", "is part of --apply; add --apply")
-    node_name = node if node is not None else os.uname().nodename  # = gethostname()
+    node_name = this_node(node)
     if not node_name:
         raise UsageError("--node", "this machine has no host name; pass --node NAME")
     directory = output or (default_user_dir() if user_manager else SYSTEM_UNIT_DIR)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from llmgw_systemd.health.events import Event
@@ -79,6 +78,3 @@ class Journal:
             self._sock.close()
             self._sock = None
 
-
-def stderr_line(message: str) -> None:
-    print(f"{IDENTIFIER}: {message}", file=sys.stderr, flush=True)
