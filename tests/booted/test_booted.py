@@ -49,6 +49,7 @@ from realengine import assert_engines
 from supervisors import Sampler
 from systemd_harness import STANDINS, hub_of, wait_until
 
+from llmgw_systemd.health.events import GROUP_RESTART, KINDS, STATE_CHANGED
 from llmgw_systemd.spec.policies import DRAIN
 
 pytestmark = pytest.mark.booted
@@ -571,6 +572,7 @@ def test_the_supervisor_restarts_a_group_as_its_own_user_and_nothing_else(
                "node-a's group restart", 0.5)
     assert "restarting this node's shard" in a.journal("-u", "llmgw-supervisor.service")
     assert int(str(replica(a, "duo")["group_restarts"])) >= 1
+    assert_journal_events(a)
 
     # polkit: the supervisor's user may restart a replica's target, nothing else
     assert restart_call(a, "llmgw-duo.target").returncode == 0
@@ -585,6 +587,30 @@ def test_the_supervisor_restarts_a_group_as_its_own_user_and_nothing_else(
         transient.stderr.lower(), transient.stderr
     stop = as_supervisor(a, "systemctl", "--no-ask-password", "stop", "llmgw-duo.target")
     assert stop.returncode != 0, "the supervisor's user may stop a replica"
+
+
+def assert_journal_events(node: Node) -> None:
+    """The group restart is one entry with its fields, filed by the node's own journald
+    (PID 1's), found by field; `journalctl -x` adds the catalog's text the package
+    installed (docs/monitoring.md, "Journal events")."""
+    restart_id = KINDS[GROUP_RESTART][0]
+    entries = [json.loads(line) for line in node.journal(
+        "-o", "json", "REPLICA=duo", f"MESSAGE_ID={restart_id}").splitlines() if line]
+    assert entries, node.journal("-u", "llmgw-supervisor.service")
+    entry = entries[-1]
+    want = {"NODE": node.name, "RANK": "0", "LLMGW_EVENT": GROUP_RESTART, "PRIORITY": "4",
+            "_SYSTEMD_UNIT": "llmgw-supervisor.service"}
+    assert {key: entry.get(key) for key in want} == want, entry
+    assert "restarting this node's shard" in entry["MESSAGE"], entry
+    assert entry.get("REASON"), entry
+    # the replica's own history: its state changes, back to ready after the restart
+    wait_until(lambda: any(json.loads(line).get("STATE") == "ready" for line in node.journal(
+        "-o", "json", "REPLICA=duo", f"MESSAGE_ID={KINDS[STATE_CHANGED][0]}",
+        f"--since=@{int(entry['__REALTIME_TIMESTAMP']) // 1_000_000}").splitlines() if line),
+        120, "duo ready again, in the journal", 1)
+    explained = node.journal("-x", "REPLICA=duo", f"MESSAGE_ID={restart_id}")
+    assert f"Subject: Replica duo restarts as a group on {node.name}" in explained, explained
+    assert "journalctl -u 'llmgw-duo*'" in explained, explained
 
 
 # -- 3. Ray with a token -------------------------------------------------------------------
