@@ -6,11 +6,14 @@ itself."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import struct
 import subprocess
+import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,7 +33,7 @@ from llmgw_systemd.health.events import (
 )
 from llmgw_systemd.health.judge import DEATH, STALL, Memory, RestartShard, Verdict
 from llmgw_systemd.health.rules import Health
-from llmgw_systemd.supervisor.journal import Journal, encode, under_journald
+from llmgw_systemd.supervisor.journal import Journal, Lines, encode, under_journald
 
 ROOT = Path(__file__).resolve().parents[1]
 CATALOG = ROOT / "packaging" / "journal" / "llmgw-systemd.catalog"
@@ -136,6 +139,95 @@ def test_events_go_to_the_socket_only_when_stderr_is_the_journal(tmp_path: Path)
     plain = Journal(lines.append, env={}, path=path)  # stderr elsewhere: the line
     plain.send(event)
     assert lines == [event.message] and not plain.native
+
+
+def test_a_stopped_gone_or_flooded_journald_never_blocks_and_loses_no_line(
+        tmp_path: Path) -> None:
+    """journald stopped (its queue full: nobody reads), gone (its socket unbound) and a
+    record larger than a datagram may be: every send returns at once, and what the
+    socket did not take is the event's line instead (DESIGN.md §11, stalls)."""
+    path = str(tmp_path / "socket")
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(path)  # bound, never read: a stopped journald
+    lines: list[str] = []
+    st = os.fstat(2)
+    journal = Journal(lines.append, env={"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"},
+                      path=path)
+    events = [replica_events(f"r{i}", 0, "a", None, READY, ())[0] for i in range(200)]
+
+    def send_all() -> None:
+        for event in events:
+            journal.send(event)
+
+    sent = threading.Thread(target=send_all, daemon=True)
+    try:
+        sent.start()
+        sent.join(60)  # a bound for a hang, not a timing: a blocking send never returns
+        assert not sent.is_alive(), "a send blocked on a journald that does not read"
+        queued = []
+        receiver.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                queued.append(receiver.recv(65536))
+        # the queue took some (net.unix.max_dgram_qlen), the rest are lines, in order
+        assert 0 < len(queued) < len(events)
+        assert lines == [e.message for e in events[len(queued):]]
+        lines.clear()
+        huge = replace(events[0], reason="x" * (4 << 20))  # over any socket's send size
+        journal.send(huge)
+        assert lines == [huge.message]
+        lines.clear()
+        receiver.close()
+        os.unlink(path)  # journald gone (restarting): its socket is not there
+        journal.send(events[0])
+        assert lines == [events[0].message]
+    finally:
+        journal.close()
+        receiver.close()
+
+
+def test_lines_to_a_journal_that_does_not_read_never_block_and_say_what_was_left_out(
+        ) -> None:
+    """stderr a stream socket whose reader stopped (a stopped journald): every line
+    returns at once, what waits is bounded, and when the reader reads again it gets the
+    lines in order up to where they were left out, then how many were left out."""
+    ours, journald = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    lines = Lines(ours.fileno(), limit=4096)
+    said = [f"line {i:05d} " + "x" * 90 for i in range(20000)]  # 2 MB: over any buffer
+
+    def say_all() -> None:
+        for line in said:
+            lines.write(line)
+
+    try:
+        writer = threading.Thread(target=say_all, daemon=True)
+        writer.start()
+        writer.join(60)  # a bound for a hang, not a timing: a blocking write never returns
+        assert not writer.is_alive(), "a line blocked on a journal that does not read"
+        assert 0 < lines.pending <= 4096
+        got = bytearray()
+        journald.setblocking(False)
+        for _ in range(1000):  # read, flush, read, until the left-out count came out
+            with contextlib.suppress(BlockingIOError):
+                while chunk := journald.recv(1 << 16):
+                    got += chunk
+            if b"left out" in got:
+                break
+            lines.flush()
+        lines.write("after")
+        lines.flush()
+        with contextlib.suppress(BlockingIOError):
+            while chunk := journald.recv(1 << 16):
+                got += chunk
+    finally:
+        ours.close()
+        journald.close()
+    text = got.decode().splitlines()
+    kept = text.index(next(t for t in text if "left out" in t))
+    assert 0 < kept < len(said) and text[:kept] == said[:kept]
+    assert text[kept] == (f"llmgw-supervisor: {len(said) - kept} lines left out: stderr "
+                          "(the journal) was not taking them")
+    assert text[kept + 1:] == ["after"]
 
 
 def test_the_catalog_explains_every_kind(tmp_path: Path) -> None:

@@ -70,7 +70,7 @@ from llmgw_systemd.supervisor.http.metrics import (
     unroutable_since,
 )
 from llmgw_systemd.supervisor.http.server import Changes, HttpServer, Request, Response
-from llmgw_systemd.supervisor.journal import Journal
+from llmgw_systemd.supervisor.journal import STDERR, Journal
 from llmgw_systemd.supervisor.rate_limited_log import RateLimitedLog
 from llmgw_systemd.supervisor.runtime import Runtime
 from llmgw_systemd.supervisor.state_file import (
@@ -83,7 +83,7 @@ from llmgw_systemd.units.plan import ready_within
 
 
 def log(message: str) -> None:
-    print(f"llmgw-supervisor: {message}", file=sys.stderr, flush=True)
+    STDERR.write(f"llmgw-supervisor: {message}")  # never blocks on a stopped journald
 
 
 def unit_names(shards: Sequence[LocalShard]) -> list[str]:
@@ -529,6 +529,7 @@ class Supervisor:
         due = time.monotonic() + self.config.reconcile_interval
         while not self.stopping.is_set():
             self.heartbeat = time.monotonic()
+            STDERR.flush()  # lines the journal did not take when they were said
             # a drain request is a file: looked for every second, acted on at once
             woke = self.wake.wait(max(0.0, min(REQUESTS_CHECK, due - time.monotonic())))
             if self.stopping.is_set():

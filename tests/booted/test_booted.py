@@ -7,7 +7,9 @@ than the scenarios): provisioned, configured and rebooted once, then
 1. at boot an `enable: true` replica serves with no systemctl from the test, a broken
    spec file beside it is named in the journal, an edited spec takes effect;
 2. the supervisors come up as the package ships them, over TLS with the docs' recipe's
-   files delivered by LoadCredential=, and refuse a peer with a wrong certificate;
+   files delivered by LoadCredential=, and refuse a peer with a wrong certificate; a
+   group restart done by the supervisor's own user (polkit lets it do nothing else),
+   filed by journald with its fields and explained by the catalog;
 3. Ray with `ray_auth: token`, the token a credential; a worker with another token stays
    out and says why;
 4. `llmgw-render --apply` against PID 1; a change the generator stages on both nodes,
