@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw_systemd.health.events import GROUP_RESTART, KINDS, Event
 from llmgw_systemd.supervisor.http.metrics import Figures, ReplicaFigures, SupervisorMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,3 +96,17 @@ def test_the_dashboard_reads_only_what_the_supervisor_exports() -> None:
                    "llmgw_probe_seconds_bucket", "llmgw_generation_check_seconds_bucket",
                    "llmgw_peer_fetch_failures_total"):
         assert series in read, series
+
+
+def test_the_journalctl_an_alert_points_at_filters_by_fields_the_events_carry() -> None:
+    """`journalctl KEY=value` in a description finds something only if the supervisor's
+    events carry KEY (health/events.py) and, for LLMGW_EVENT=, that kind."""
+    every = Event(GROUP_RESTART, "m", "r", "n", 0, "ready", "why").fields()
+    fields = {key for key, _ in every}
+    said = [r["annotations"]["description"] for g in yaml.safe_load(RULES.read_text())["groups"]
+            for r in g["rules"] if "alert" in r]
+    filters = [match for text in said for command in re.findall(r"`(journalctl [^`]*)`", text)
+               for match in re.findall(r"\b([A-Z_]+)=(\S+)", command)]
+    assert filters, "no alert points at journal fields"
+    assert {key for key, _ in filters} <= fields, filters
+    assert {value for key, value in filters if key == "LLMGW_EVENT"} <= set(KINDS), filters
