@@ -145,7 +145,7 @@ def test_a_stopped_gone_or_flooded_journald_never_blocks_and_loses_no_line(
         tmp_path: Path) -> None:
     """journald stopped (its queue full: nobody reads), gone (its socket unbound) and a
     record larger than a datagram may be: every send returns at once, and what the
-    socket did not take is the event's line instead (DESIGN.md §11, stalls)."""
+    socket did not take is the event's line instead (docs/monitoring.md, "Journal events")."""
     path = str(tmp_path / "socket")
     receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     receiver.bind(path)  # bound, never read: a stopped journald
