@@ -81,8 +81,11 @@ def main() -> None:
     print(f"serving {args.model} on {args.host}:{args.port} with {wanted} Ray nodes",
           flush=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    # Short sleeps: Python runs a signal's handler in the main thread only, once it runs
+    # Python code again; a SIGTERM the kernel hands to another thread (Ray's, the
+    # server's) would leave an hour-long sleep unaware of it.
     while True:
-        time.sleep(3600)
+        time.sleep(0.25)
 
 
 if __name__ == "__main__":

@@ -63,14 +63,21 @@ def main() -> None:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(status))
     host, _, port = args.join.rpartition(":")
     conn = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
-    conn.settimeout(None)
+    # Woken every half second: Python runs a signal's handler in the main thread only,
+    # once it runs Python code again; a SIGTERM the kernel hands to the HTTP server's
+    # thread would leave a main thread blocked in recv() unaware of it.
+    conn.settimeout(0.5)
     print(f"joined {args.join}", flush=True)
     if args.http_port:
         server = ThreadingHTTPServer((args.http_host, args.http_port), Handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         print(f"serving HTTP on {args.http_host}:{args.http_port}", flush=True)
-    while conn.recv(4096):
-        pass
+    while True:
+        try:
+            if not conn.recv(4096):
+                break
+        except TimeoutError:
+            continue
     print(f"lost {args.join}", flush=True)
     sys.exit(1)
 
