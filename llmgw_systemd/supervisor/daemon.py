@@ -70,7 +70,7 @@ from llmgw_systemd.supervisor.http.metrics import (
     unroutable_since,
 )
 from llmgw_systemd.supervisor.http.server import Changes, HttpServer, Request, Response
-from llmgw_systemd.supervisor.journal import STDERR, Journal
+from llmgw_systemd.supervisor.journal import IDENTIFIER, STDERR, Journal
 from llmgw_systemd.supervisor.rate_limited_log import RateLimitedLog
 from llmgw_systemd.supervisor.runtime import Runtime
 from llmgw_systemd.supervisor.state_file import (
@@ -83,7 +83,7 @@ from llmgw_systemd.units.plan import ready_within
 
 
 def log(message: str) -> None:
-    STDERR.write(f"llmgw-supervisor: {message}")  # never blocks on a stopped journald
+    STDERR.write(f"{IDENTIFIER}: {message}")  # never blocks on a stopped journald
 
 
 def unit_names(shards: Sequence[LocalShard]) -> list[str]:

@@ -87,7 +87,6 @@ class Journal:
             self._sock = None
 
 
-
 PENDING_LIMIT = 256 * 1024  # bytes of lines kept while stderr does not take them
 
 
@@ -145,7 +144,7 @@ class Lines:
     def _drain(self, sock: socket.socket) -> None:
         while True:
             if not self._pending and self._dropped:
-                self._pending += (f"llmgw-supervisor: {self._dropped} lines left out: "
+                self._pending += (f"{IDENTIFIER}: {self._dropped} lines left out: "
                                   "stderr (the journal) was not taking them\n").encode()
                 self._dropped = 0
             if not self._pending:
