@@ -21,9 +21,12 @@ from typing import Any
 
 import click
 
-from llmgw_systemd import __version__, cli
+from llmgw_systemd import __version__
 from llmgw_systemd.helpers import stop_group as stopgroup
 from llmgw_systemd.helpers import wait_for_port as waitport
+from llmgw_systemd.programs import render as render_program
+from llmgw_systemd.programs import supervisor as supervisor_program
+from llmgw_systemd.programs import systemd as systemd_program
 from llmgw_systemd.spec.common_keys import COMMON_KEYS
 from llmgw_systemd.spec.engines.table import ENGINES
 from llmgw_systemd.spec.keys import Key
@@ -88,11 +91,11 @@ SEE_ALSO = ("llmgw-render(1)", "llmgw-systemd(1)", "llmgw-supervisor(1)",
 
 
 def commands() -> list[Command]:
-    status = cli.systemd_group.commands["status"]
+    status = systemd_program.systemd_group.commands["status"]
     return [
         Command(
             "llmgw-render", 1, "render LLM replica specs into systemd units for one node",
-            "[OPTIONS] SPEC...", click_options(cli.render_command),
+            "[OPTIONS] SPEC...", click_options(render_program.render_command),
             ("Reads the replica SPEC files (or folders of *.yaml files) and writes this "
              "node's units: per replica a target, its sidecar and engine services and a "
              "restart unit, linked so that the node's systemd starts, orders, restarts and "
@@ -112,7 +115,7 @@ def commands() -> list[Command]:
             SEE_ALSO),
         Command(
             "llmgw-systemd", 1, "operate llmgw-systemd shards on this node",
-            "status [OPTIONS] [NAME]", click_options(cli.systemd_group),
+            "status [OPTIONS] [NAME]", click_options(systemd_program.systemd_group),
             ("status prints the health of this node's shards straight from systemd, over "
              "D-Bus, with no daemon needed. With --cluster it shows every rank of those "
              "replicas: this node's from systemd, each other node's as that node's own "
@@ -125,7 +128,7 @@ def commands() -> list[Command]:
             SEE_ALSO, {"status": click_options(status)}),
         Command(
             "llmgw-supervisor", 1, "watch shards over D-Bus and judge replica health",
-            "[OPTIONS] [SPEC]...", click_options(cli.supervisor_command),
+            "[OPTIONS] [SPEC]...", click_options(supervisor_program.supervisor_command),
             ("One daemon per node. It reads the specs, watches this node's units over "
              "D-Bus, probes the serving rank, asks the other nodes' supervisors for their "
              "ranks, judges each replica ready, degraded or failed, restarts all ranks of "

@@ -14,7 +14,9 @@ is a role, and what it may import is its boundary (docs/design.md §2).
     helpers/     the small programs the units run
     commands/    what each command does (render/--apply, status, drain, the daemon's
                  start): shells over the roles above
-    cli, errors  the top: options only, the only click user; the one exception tree
+    programs/    each program's command line (options only, the only click user)
+    cli, errors  the console scripts' entry points, each loading its own program when it
+                 runs; the one exception tree
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def under(package: str) -> set[str]:
 # data only (spec rules, plans, health, group restarts, the generator's and --apply's
 # choices), testable without a system.
 SHELLS = {
-    "cli",
+    "cli", *under("programs"),
     "spec.files",  # reads spec files and folders
     "units.render", "units.install",  # loads the package's templates; writes the unit folder
     "apply.systemctl",
@@ -66,7 +68,7 @@ IMPURE_STDLIB = {"os", "socket", "subprocess", "time", "threading", "asyncio", "
                  "shutil", "tempfile", "pathlib", "sys", "io", "select", "ssl", "http",
                  "urllib", "fcntl"}
 # Libraries that belong to one module each.
-ONLY_IN = {"click": {"cli"}, "gi": {"gather.systemd_bus"},
+ONLY_IN = {"click": under("programs"), "gi": {"gather.systemd_bus"},
            "pydbus": {"gather.systemd_bus"}, "jinja2": {"units.render"},
            "prometheus_client": {"supervisor.http.metrics", "gather.engine_metrics"},
            # HTTP over sockets: the API's server, the peers' client, the engines' probes
@@ -86,9 +88,11 @@ MAY_IMPORT = {
     "supervisor": {"errors", "spec", "units.plan", "health", "gather", "helpers.sd_notify"},
     "helpers": {"errors", "spec.endpoint", "spec.names", "health.drain", "health.versions"},
     "commands": {"errors", "spec", "units", "apply", "health", "gather", "supervisor",
-                 "helpers.stop_group"},
+                 "helpers.stop_group", "helpers.local_api"},
     # options only: their defaults from where each is written once, the work in commands/
-    "cli": {"errors", "commands", "spec.endpoint", "supervisor.config"},
+    "programs": {"errors", "commands", "spec.endpoint", "supervisor.config"},
+    # the entry points: each its own program, nothing else
+    "cli": {"programs"},
 }
 # Never: the daemon must not reach the writers of unit files.
 NEVER = {role: {"units.install", "units.render", "apply", "generator"}
@@ -197,14 +201,23 @@ def test_the_pure_core_does_no_io(module: str) -> None:
     assert not shells, f"{module} imports the shell modules {shells}"
 
 
-def test_cli_only_parses_options() -> None:
-    """cli.py imports at its top only; every command's work (and what it imports) is in
-    commands/."""
+def test_programs_only_parse_options() -> None:
+    """programs/ imports at the top only; every command's work (and what it imports) is in
+    commands/. The entry points in cli.py are the one place that imports late, each its
+    own program (what each then loads: tests/test_entry_points.py)."""
+    for module in under("programs"):
+        tree = ast.parse(_source(module).read_text(encoding="utf-8"))
+        nested = [f"line {node.lineno}" for function in ast.walk(tree)
+                  if isinstance(function, ast.FunctionDef)
+                  for node in ast.walk(function)
+                  if isinstance(node, (ast.Import, ast.ImportFrom))]
+        assert not nested, f"{module} imports inside functions: {nested}"
     tree = ast.parse(_source("cli").read_text(encoding="utf-8"))
-    nested = [f"line {node.lineno}" for function in ast.walk(tree)
-              if isinstance(function, ast.FunctionDef)
-              for node in ast.walk(function) if isinstance(node, (ast.Import, ast.ImportFrom))]
-    assert not nested, f"cli.py imports inside functions: {nested}"
+    top = {alias.name for node in tree.body if isinstance(node, ast.Import)
+           for alias in node.names}
+    top |= {node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom)}
+    assert top == {"__future__", "collections.abc", "importlib.util", "sys", "typing"}, top
+    assert ours("cli") == {"programs.render", "programs.systemd", "programs.supervisor"}
 
 
 def test_the_generators_fast_path_imports_only_what_it_must() -> None:

@@ -1,4 +1,4 @@
-"""What the commands share: their defaults (read by cli.py for its options' help, so
+"""What the commands share: their defaults (read by programs/ for the options' help, so
 light to import) and how they print."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from llmgw_systemd.supervisor.drain_requests import DEFAULT_STATE_DIR
+from llmgw_systemd.supervisor.config import DEFAULT_STATE_DIR
 
 SYSTEM_UNIT_DIR = "/etc/systemd/system"
 DEFAULT_SPECS = ("/etc/llmgw/replicas.d",)

@@ -8,7 +8,9 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from llmgw_systemd import __version__
 from llmgw_systemd.apply.rollout import (
     SystemctlShow,
     Versions,
@@ -26,7 +28,6 @@ from llmgw_systemd.commands.common import (
     warn,
 )
 from llmgw_systemd.errors import LlmgwError, NoShard, NotBackError, PeerError, UsageError
-from llmgw_systemd.gather.peer_client import fetch_replica
 from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL
 from llmgw_systemd.spec.files import read_documents
 from llmgw_systemd.spec.model import Replica
@@ -46,6 +47,9 @@ from llmgw_systemd.units.install import (
 )
 from llmgw_systemd.units.plan import Manager, ShardPlan, plan_node, ready_within
 from llmgw_systemd.units.render import render_shards
+
+if TYPE_CHECKING:
+    from llmgw_systemd.gather.wire import ReplicaAnswer
 
 WAIT_FOR_PORT = "llmgw-wait-for-port"
 SUPERVISOR_ASK_TIMEOUT = 3.0  # seconds for this node's supervisor to answer an apply
@@ -176,8 +180,7 @@ def _versions(plans: Sequence[ShardPlan], replicas: dict[str, Replica],
         why = ""
         if plan.ranks > 1:
             try:
-                view = fetch_replica(SUPERVISOR_LOCAL.host, SUPERVISOR_LOCAL.port,
-                                     plan.replica, deadline=SUPERVISOR_ASK_TIMEOUT)
+                view = _ask_supervisor(plan.replica)
             except PeerError as exc:
                 behind, why = None, f"this node's supervisor: {exc}"
             else:
@@ -188,6 +191,19 @@ def _versions(plans: Sequence[ShardPlan], replicas: dict[str, Replica],
         out[plan.replica] = Versions(plan.spec_digest, plan.ranks, running, behind, why,
                                      ready_within(replica), replica.drain.delay)
     return out
+
+
+def _ask_supervisor(replica: str) -> ReplicaAnswer:
+    """This node's supervisor's view of `replica`; PeerError when it does not say."""
+    # Imported here, by the multi-node --apply alone: http.client costs a plain render
+    # 15 ms of its start (bench/render.py).
+    from llmgw_systemd.gather.wire import decode, parse_replica, wire_reader
+    from llmgw_systemd.helpers.local_api import get_replica
+
+    where = f"this node's supervisor at {SUPERVISOR_LOCAL}"
+    body = get_replica(str(SUPERVISOR_LOCAL), replica, SUPERVISOR_ASK_TIMEOUT,
+                       f"llmgw-render/{__version__}")
+    return parse_replica(wire_reader(where), decode(where, body))
 
 
 def _wait_routable(name: str, digest: str, within: int, user_manager: bool,
@@ -206,8 +222,7 @@ def _wait_routable(name: str, digest: str, within: int, user_manager: bool,
     while True:
         if supervised:
             try:
-                view = fetch_replica(SUPERVISOR_LOCAL.host, SUPERVISOR_LOCAL.port, name,
-                                     deadline=SUPERVISOR_ASK_TIMEOUT)
+                view = _ask_supervisor(name)
             except PeerError as exc:
                 supervised = False
                 warn(f"note: cannot wait for replica {name} to be routable: this "

@@ -1,34 +1,56 @@
-"""The local supervisor's view of one replica, as the units' helpers ask it: GET
-/v1/replicas/NAME over plain HTTP on loopback (its --local listener). Standard library
-only: the helpers run on every start and stop. None on any failure: a helper that cannot
-ask goes on as if there were no supervisor."""
+"""The local supervisor's view of one replica, as the units' helpers and `llmgw-render
+--apply` ask it: GET /v1/replicas/NAME over plain HTTP on loopback (its --local
+listener). Standard library only, no asyncio or h11: the helpers run on every start and
+stop, and llmgw-render must run where the supervisor's dependencies are not installed."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import socket
 
+from llmgw_systemd.errors import PeerError
 from llmgw_systemd.health.versions import RankVersion
 
 MAX_ANSWER = 1 << 20  # bytes of a replica's view read at most
 
 
-def ask_replica(address: str, replica: str, timeout: float, user_agent: str) -> object | None:
-    """The decoded JSON of /v1/replicas/REPLICA from the supervisor at HOST:PORT, or
-    None when it does not answer 200 with JSON in time."""
+def get_replica(address: str, replica: str, timeout: float, user_agent: str) -> bytes:
+    """The body of /v1/replicas/REPLICA from the supervisor at HOST:PORT (each socket
+    operation bounded by `timeout`); PeerError saying what failed otherwise (a 404: it
+    does not watch the replica)."""
     host, _, port = address.rpartition(":")
+    where = f"the supervisor at {address}"
     conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
     try:
         conn.request("GET", f"/v1/replicas/{replica}", headers={"User-Agent": user_agent})
         response = conn.getresponse()
         if response.status != 200:
-            return None
-        data: object = json.loads(response.read(MAX_ANSWER))
-        return data
-    except (OSError, http.client.HTTPException, ValueError):
-        return None
+            raise PeerError("http-status",
+                            f"{where} answered HTTP {response.status} {response.reason}")
+        body = response.read(MAX_ANSWER + 1)
+        if len(body) > MAX_ANSWER:
+            raise PeerError("too-large", f"{where}: the answer is over {MAX_ANSWER} bytes")
+        return body
+    except socket.timeout:
+        raise PeerError("timeout", f"{where}: no answer within {timeout:g} s") from None
+    except OSError as exc:
+        raise PeerError("connect", f"{where}: {exc.strerror or exc}") from None
+    except http.client.HTTPException as exc:
+        raise PeerError("malformed", f"{where}: {type(exc).__name__}: {exc}") from None
     finally:
         conn.close()
+
+
+def ask_replica(address: str, replica: str, timeout: float, user_agent: str) -> object | None:
+    """The decoded JSON of /v1/replicas/REPLICA from the supervisor at HOST:PORT, or
+    None when it does not answer 200 with JSON in time: a helper that cannot ask goes
+    on as if there were no supervisor."""
+    try:
+        data: object = json.loads(get_replica(address, replica, timeout, user_agent))
+    except (PeerError, ValueError):
+        return None
+    return data
 
 
 def rank_versions(data: object) -> tuple[RankVersion, ...]:

@@ -21,9 +21,6 @@ from llmgw_systemd.health.drain import DrainRequest
 from llmgw_systemd.spec.names import is_replica_name
 from llmgw_systemd.supervisor.state_file import sync_dir, write_atomically
 
-# The supervisor's state directory when neither --state-dir nor systemd's
-# $STATE_DIRECTORY says otherwise (StateDirectory=llmgw-supervisor in its unit).
-DEFAULT_STATE_DIR = "/var/lib/llmgw-supervisor"
 FOLDER = "drains"
 NODE_FILE = "node.json"
 MAX_FILES = 4096  # a bound against a folder filled by mistake

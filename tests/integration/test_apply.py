@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from entry_guard import NOT_FOR_RENDER, run_entry
 from helpers import snapshot
 from installed import RENDER
 from specs import PYTHON, free_port, write, yaml_list
@@ -261,3 +262,33 @@ def test_a_replica_not_back_in_time_ends_the_apply_and_a_rerun_finishes(
     assert b_new != b_pid and digest_of_pid(b_new) == digest_of_unit(one_node, "b")
     assert one_node.apply(spec, "node").stdout.splitlines() == [
         "replica a: nothing to do", "replica b: nothing to do"]
+
+
+def test_apply_of_a_multi_node_replica_loads_nothing_of_the_supervisor(
+        one_node: UserManager, tmp_path: Path) -> None:
+    """--apply of a rank of a two-node replica asks this node's supervisor (none here:
+    refused) about the other rank, restarts, and waits for its units: all without
+    asyncio, h11, D-Bus or the daemon, checked on the running program."""
+    spec = tmp_path / "spec.yaml"
+
+    def duo(seconds: str) -> str:
+        argv = yaml_list(["/usr/bin/sleep", seconds])
+        rank = f"      - commands:\n          - argv: {argv}\n"
+        return ("replicas:\n  - name: duo\n    engine: command\n    port: 1\n"
+                "    enable: true\n    restart: {delay: 1, burst: 5, interval: 120}\n"
+                "    nodes: [{name: node, address: 127.0.0.1},\n"
+                "            {name: other, address: 127.0.0.2}]\n"
+                "    ranks:\n" + rank + rank)
+
+    write(spec, duo("infinity"))
+    for attempt in ("new", "changed"):
+        proc, refused = run_entry("llmgw_systemd.cli:render_main", "llmgw-render",
+                                  ["--user", "--apply", "--node", "node", str(spec)],
+                                  NOT_FOR_RENDER, tmp_path, env=one_node.env, timeout=300)
+        assert refused == [], f"--apply ({attempt}) tried to import {refused}: {proc.stderr}"
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        if attempt == "changed":  # it asked the supervisor, then waited for the units
+            assert "replica duo: restarted" in proc.stdout, proc.stdout
+            assert "this node's supervisor does not say" in proc.stderr, proc.stderr
+        engine_pid(one_node, "duo")
+        write(spec, duo("1d"))
