@@ -5,12 +5,13 @@ it (a node image with systemd), and throw-away overlays of either."""
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from aptsources import debian_mirror
+from aptsources import APT, debian_mirror
 
 CACHE = Path("/var/cache/llmgw-test")
 BASE = CACHE / "bookworm"
@@ -42,16 +43,18 @@ def base_root() -> Path:
 
 
 @contextlib.contextmanager
-def chroot_mounts(root: Path) -> Iterator[None]:
-    """/proc, /dev and apt's downloads and lists (kept in the cache between runs) inside
-    root, for apt-get in a chroot; all unmounted afterwards, checked."""
+def chroot_mounts(root: Path, apt_cache: str = "apt") -> Iterator[None]:
+    """/proc, /dev and apt's downloads and lists (kept in the cache between runs, under
+    CACHE/apt_cache: a root with other apt sources keeps its own, so that neither's
+    apt-get update rewrites the other's lists nor waits on its locks) inside root, for
+    apt-get in a chroot; all unmounted afterwards, checked."""
     mounts: list[Path] = []
     try:
         for sub, kind in (("proc", ["-t", "proc", "proc"]), ("dev", ["--bind", "/dev"])):
             ok("mount", *kind, str(root / sub))
             mounts.append(root / sub)
         for keep in ("var/cache/apt/archives", "var/lib/apt/lists"):
-            cached = CACHE / "apt" / keep.replace("/", "-")
+            cached = CACHE / apt_cache / keep.replace("/", "-")
             (cached / "partial").mkdir(parents=True, exist_ok=True)
             ok("mount", "--bind", str(cached), str(root / keep))
             mounts.append(root / keep)
@@ -62,6 +65,28 @@ def chroot_mounts(root: Path) -> Iterator[None]:
             sh("umount", str(mount))
         left = [m for m in mounts if f" {m} " in Path("/proc/mounts").read_text()]
         assert not left, f"still mounted: {left}"
+
+
+def host_apt_sources(root: Path, apt: Path = APT) -> None:
+    """This machine's apt sources in place of root's (debootstrap's one line for the base
+    suite): its sources.list and sources.list.d/*.list, *.sources, copied as they are at
+    run time (no mirror is written in the repo), and the keyrings they name (Signed-By)
+    that root lacks."""
+    target = root / "etc" / "apt"
+    (target / "sources.list").unlink(missing_ok=True)
+    for old in (target / "sources.list.d").glob("*"):
+        old.unlink()
+    sources = [p for p in [apt / "sources.list", *sorted((apt / "sources.list.d").glob("*"))]
+               if p.is_file() and (p.name == "sources.list" or p.suffix in (".list", ".sources"))]
+    assert sources, f"no apt sources in {apt}"
+    for path in sources:
+        shutil.copy(path, target / path.relative_to(apt))
+        for key in re.findall(r"(?im)signed-by\s*[:=]\s*(/[^\s\]]+)",
+                              path.read_text(encoding="utf-8")):
+            inside = root / key.lstrip("/")
+            if Path(key).is_file() and not inside.exists():
+                inside.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(key, inside)
 
 
 def derived_root(name: str, packages: Sequence[str], setup: Sequence[Sequence[str]] = ()
