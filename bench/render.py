@@ -149,6 +149,14 @@ def git(*args: str) -> str:
                           text=True).stdout.strip()
 
 
+def site_packages(venv: Path) -> str:
+    """A venv's own site-packages (where its llmgw_systemd is)."""
+    found = sorted(venv.glob("lib/python3*/site-packages"))
+    if len(found) != 1:
+        sys.exit(f"{venv}: expected one lib/python3*/site-packages, found {found}")
+    return str(found[0])
+
+
 def install_launcher(template: Path, venv: Path) -> None:
     """The generator's -IS launcher over the console script, as scripts/setup makes it."""
     python = venv / "bin" / "python3"
@@ -216,6 +224,9 @@ class Flavour:
         self.env = {**os.environ, "SYSTEMD_SCOPE": "user", "XDG_CONFIG_HOME": str(work / "config"),
                     "XDG_RUNTIME_DIR": str(runtime)}
         self.cache = runtime / "llmgw-systemd" / "generator.cache"
+        self.render_env = dict(os.environ)
+        if rev is not None:
+            self.render_env["PYTHONPATH"] = site_packages(bin_dir.parent)
         self.out = work / "out"
         self.empty = work / "empty"  # --dry-run's --output: must stay empty
         self.empty.mkdir()
@@ -225,7 +236,11 @@ class Flavour:
             sys.exit(f"{self.generator} is not the -IS launcher; run scripts/setup")
 
     def render(self, *args: str) -> list[str]:
-        return [str(self.bin / "llmgw-render"), *args]
+        # Every installation's llmgw-render under this one interpreter, its own package
+        # first on the path: the interpreter's start (its site, the .pth files of the
+        # machine, which may import packages whose versions differ between venvs) is then
+        # the same for all, and only our code differs.
+        return [sys.executable, str(self.bin / "llmgw-render"), *args]
 
     def dry_run(self, spec: Path, node: str) -> list[str]:
         return self.render("--dry-run", "--node", node, "--output", str(self.empty), str(spec))
@@ -238,7 +253,7 @@ class Flavour:
     def prepare(self, wide: Path) -> None:
         """Choose the example this installation accepts; check that every command runs."""
         if self.rev and subprocess.run(self.dry_run(EXAMPLE, "gpu-a1"), check=False,
-                                       stdout=subprocess.DEVNULL,
+                                       env=self.render_env, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL).returncode != 0:
             # the working tree's example has a key this revision does not know
             self.own_example.write_text(git("show", f"{self.rev}:examples/replicas.yaml")
@@ -246,25 +261,32 @@ class Flavour:
             self.example = self.own_example
             self.notes.append(f"{self.label} rejects the working tree's examples/replicas.yaml;"
                               " its own was measured (example and generator rows)")
+        where = subprocess.run([sys.executable, "-c",
+                                "import llmgw_systemd; print(llmgw_systemd.__file__)"],
+                               capture_output=True, text=True, check=True, env=self.render_env,
+                               cwd=self.empty).stdout.strip()
+        if not where.startswith(f"{self.bin.parent}/"):
+            sys.exit(f"{self.label}: its llmgw-render would run {where}, not its own")
         shutil.copy(self.example, self.specs / "replicas.yaml")
-        for cmd in (self.render("--version"), self.dry_run(self.example, "gpu-a1"),
-                    self.dry_run(wide, WIDE_NODE), self.generate()):
-            result = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                                    env=self.env)
+        for cmd, env in ((self.render("--version"), self.render_env),
+                         (self.dry_run(self.example, "gpu-a1"), self.render_env),
+                         (self.dry_run(wide, WIDE_NODE), self.render_env),
+                         (self.generate(), self.env)):
+            result = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
             if result.returncode != 0:
                 sys.exit(f"{self.label}: {' '.join(cmd)} failed ({result.returncode}):\n"
                          f"{result.stderr}")
 
     def dry_run_job(self, key: str, spec: Path, node: str) -> Callable[[], None]:
         def job() -> None:
-            self.samples[key].append(timed(self.dry_run(spec, node)))
+            self.samples[key].append(timed(self.dry_run(spec, node), self.render_env))
             if any(self.empty.iterdir()):
                 sys.exit(f"{self.label}: --dry-run wrote into {self.empty}")
         return job
 
     def jobs(self, wide: Path) -> list[Callable[[], None]]:
         def version() -> None:
-            self.samples["version"].append(timed(self.render("--version")))
+            self.samples["version"].append(timed(self.render("--version"), self.render_env))
 
         def generator() -> None:
             self.cache.unlink(missing_ok=True)  # as after a spec changed

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import sys
 
-from llmgw_systemd.supervisor.config import DEFAULT_STATE_DIR
-
 SYSTEM_UNIT_DIR = "/etc/systemd/system"
 DEFAULT_SPECS = ("/etc/llmgw/replicas.d",)
 DEFAULT_TLS_DIR = "/etc/llmgw/tls"
+# The supervisor's state directory (group restarts, drain requests) when neither
+# --state-dir nor systemd's $STATE_DIRECTORY says otherwise (StateDirectory=llmgw-supervisor
+# in its unit).
+DEFAULT_STATE_DIR = "/var/lib/llmgw-supervisor"
 
 
 def say(text: str = "", *, end: str = "\n") -> None:

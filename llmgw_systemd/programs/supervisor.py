@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from llmgw_systemd.commands import supervisor
+from llmgw_systemd.commands.common import DEFAULT_STATE_DIR
 from llmgw_systemd.programs.options import (
     NODE_OPTION,
     USER_OPTION,
@@ -36,7 +37,7 @@ from llmgw_systemd.supervisor.config import SupervisorConfig
              "$CREDENTIALS_DIRECTORY")
 @click.option("--state-dir", metavar="DIR",
               help="Where group restarts are recorded [default: $STATE_DIRECTORY, else "
-                   "/var/lib/llmgw-supervisor].")
+                   f"{DEFAULT_STATE_DIR}].")
 @click.option("--dbus-timeout", type=click.FloatRange(0.1, 120),
               default=SupervisorConfig.dbus_timeout,
               show_default=True, metavar="SECONDS",

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from llmgw_systemd.commands import drain, status
-from llmgw_systemd.commands.common import DEFAULT_SPECS, DEFAULT_TLS_DIR
+from llmgw_systemd.commands.common import DEFAULT_SPECS, DEFAULT_STATE_DIR, DEFAULT_TLS_DIR
 from llmgw_systemd.commands.status import WATCH_INTERVAL
 from llmgw_systemd.programs.options import (
     NODE_OPTION,
@@ -73,7 +73,7 @@ DRAIN_OPTIONS = (
     USER_OPTION,
     click.option("--state-dir", metavar="DIR",
                  help="The supervisor's state directory, where drain requests are kept "
-                      "[default: /var/lib/llmgw-supervisor].")
+                      f"[default: {DEFAULT_STATE_DIR}].")
 )
 
 

@@ -8,11 +8,6 @@ from typing import TYPE_CHECKING
 
 from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL, SUPERVISOR_PORT
 
-# The supervisor's state directory (group restarts, drain requests) when neither
-# --state-dir nor systemd's $STATE_DIRECTORY says otherwise (StateDirectory=llmgw-supervisor
-# in its unit).
-DEFAULT_STATE_DIR = "/var/lib/llmgw-supervisor"
-
 if TYPE_CHECKING:
     from llmgw_systemd.gather.tls import TlsFiles
 

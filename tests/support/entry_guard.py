@@ -39,9 +39,11 @@ NOT_FOR_RENDER = (*SUPERVISOR_SIDE, "asyncio", "concurrent",
                   "llmgw_systemd.gather.peer_client", "llmgw_systemd.gather.probes",
                   "llmgw_systemd.gather.shard_reader", "llmgw_systemd.commands.status",
                   "llmgw_systemd.commands.drain", "llmgw_systemd.commands.supervisor")
-# The multi-node --apply asks this node's supervisor over http.client (which loads ssl);
-# nothing else does.
-NOT_FOR_PLAIN_RENDER = (*NOT_FOR_RENDER, "http", "ssl", "llmgw_systemd.gather.wire")
+# --apply alone runs systemctl and asks this node's supervisor over http.client (which
+# loads ssl).
+NOT_FOR_PLAIN_RENDER = (*NOT_FOR_RENDER, "http", "ssl", "subprocess", "llmgw_systemd.apply",
+                        "llmgw_systemd.commands.apply_units", "llmgw_systemd.gather.wire",
+                        "llmgw_systemd.supervisor")
 
 
 def run_entry(entry: str, script: str, args: list[str], refuse: tuple[str, ...],
