@@ -39,10 +39,10 @@ def render(spec: Path, out: Path, *extra: str) -> str:
 def test_second_run_changes_nothing(spec: Path, tmp_path: Path) -> None:
     out = tmp_path / "units"
     first = render(spec, out)
-    assert "6 created, 0 updated, 0 removed, 0 unchanged" in first
+    assert "8 created, 0 updated, 0 removed, 0 unchanged" in first
     before = snapshot(out)
     second = render(spec, out)
-    assert second.strip() == f"nothing to do: 6 units in {out} are up to date"
+    assert second.strip() == f"nothing to do: 8 units in {out} are up to date"
     assert snapshot(out) == before  # same bytes, same mtimes
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
 
@@ -75,9 +75,10 @@ def test_removed_replica_is_pruned_foreign_units_untouched(spec: Path, tmp_path:
     kept = snapshot(out)
     spec.write_text(ONE, encoding="utf-8")
     output = render(spec, out)
-    assert "0 created, 0 updated, 3 removed, 3 unchanged" in output
+    assert "0 created, 0 updated, 4 removed, 4 unchanged" in output
     assert sorted(rendered_dir(out)) == sorted(
-        ["llmgw-alpha.target", "llmgw-alpha-engine.service", "llmgw-alpha-restart.service",
+        ["llmgw-alpha.target", "llmgw-alpha-engine.service", "llmgw-alpha-relaunch.service",
+         "llmgw-alpha-restart.service",
          "llmgw-mine.service", "other.service"])
     after = snapshot(out)
     for name, value in kept.items():
@@ -96,7 +97,7 @@ def test_dry_run_prints_a_diff_and_writes_nothing(spec: Path, tmp_path: Path) ->
     assert "-ExecStart=/usr/local/bin/python -m sglang.launch_server --model-path /m/a " in output
     assert "+ExecStart=/usr/local/bin/python -m sglang.launch_server --model-path /m/a2 " in output
     assert "+++ /dev/null" in output  # beta's units would go
-    assert "would have: 0 created, 1 updated, 3 removed, 2 unchanged" in output
+    assert "would have: 0 created, 1 updated, 4 removed, 3 unchanged" in output
     assert snapshot(out) == before
 
 
@@ -104,7 +105,7 @@ def test_dry_run_into_a_missing_directory_creates_nothing(spec: Path, tmp_path: 
     out = tmp_path / "not-yet"
     output = render(spec, out, "--dry-run")
     assert "--- /dev/null" in output
-    assert "would have: 6 created" in output
+    assert "would have: 8 created" in output
     assert not out.exists()
 
 
@@ -155,5 +156,5 @@ def test_no_shard_on_this_node_with_allow_empty_prunes(spec: Path, tmp_path: Pat
     out = tmp_path / "units"
     render(spec, out)
     output = render(spec, out, "--node", "n9", "--allow-empty")
-    assert "0 created, 0 updated, 6 removed" in output
+    assert "0 created, 0 updated, 8 removed" in output
     assert list(out.iterdir()) == []

@@ -97,4 +97,5 @@ def test_node_defaults_to_this_machines_host_name(tmp_path: Path) -> None:
     proc = run_render("--output", str(tmp_path / "out"), str(spec))
     assert proc.returncode == 0, proc.stderr
     assert sorted(rendered_dir(tmp_path / "out")) == [
-        "llmgw-here-engine.service", "llmgw-here-restart.service", "llmgw-here.target"]
+        "llmgw-here-engine.service", "llmgw-here-relaunch.service", "llmgw-here-restart.service",
+        "llmgw-here.target"]

@@ -151,7 +151,7 @@ def group_files(files: Sequence[tuple[str, str, str | None]], plans: Sequence[Sh
     belongs to the replica its header names; one whose header is unreadable counts as a
     replica of its own name, so it is still stopped before it goes."""
     owner = {name: plan.replica for plan in plans
-             for name in (plan.target.name, plan.restart.name,
+             for name in (plan.target.name, plan.restart.name, plan.relaunch.name,
                           *(u.name for u in plan.services))}
     targets = {plan.replica: (plan.target.name, plan.enable) for plan in plans}
     by_replica: dict[str, dict[str, list[str]]] = {}

@@ -11,6 +11,9 @@ MAX_NODE_NAME = 253  # a host name's length at most
 # rendezvous wait from its own environment, an apply from the engine process's
 DIGEST_VAR = "LLMGW_SPEC_DIGEST"
 DIGEST_SHOWN = 8  # hex digits of a digest in a line for people: enough to tell versions apart
+# The two units that restart a shard, llmgw-R-restart.service and llmgw-R-relaunch.service
+# (units/plan.py): no command of a rank may be named so, or its unit would be one of them.
+RESTART_UNITS = ("restart", "relaunch")
 
 
 def is_spec_file(name: str) -> bool:

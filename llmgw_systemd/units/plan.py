@@ -6,7 +6,9 @@ Per replica R whose nodes include this node (docs/design.md §3):
                                  it to boot; stop waits for every member to stop
       llmgw-R-<sidecar>.service  PartOf= target, BindsTo= engine, After= earlier sidecars
       llmgw-R-engine.service     PartOf= target, BindsTo= + After= every sidecar
-      llmgw-R-restart.service    oneshot: sleep the restart delay, then start the target
+      llmgw-R-restart.service    oneshot: sleep the restart delay, then start relaunch
+      llmgw-R-relaunch.service   oneshot, After= every member: start the target once no
+                                 member is stopping
 
 BindsTo= both ways makes the death of any member stop the whole shard. Restart=always
 on every member brings it back: the member that died restarts after RestartSec and pulls
@@ -14,7 +16,9 @@ the others in through BindsTo= (sidecars first, by After=); a stop that systemd 
 propagates never triggers Restart=, and StartLimitBurst= in [Unit] bounds the loop.
 When members die together, each one's stop cancels the other's pending restart and one
 ends failed: its OnFailure= starts the restart unit, which waits the same delay and then
-starts the target again. Measured under a real systemd by tests/integration.
+starts the relaunch unit, which starts the target again once no member has a stop job
+left (docs/engines.md, "The restart unit's two steps"). Measured under a real systemd
+by tests/integration.
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ from llmgw_systemd.spec.common_keys import (
 from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL, Endpoint, local_address
 from llmgw_systemd.spec.engines.base import KillMode, Step
 from llmgw_systemd.spec.model import Replica, Spec
-from llmgw_systemd.spec.names import DIGEST_VAR
+from llmgw_systemd.spec.names import DIGEST_VAR, RESTART_UNITS
 from llmgw_systemd.spec.policies import STOP_MARGIN, RestartPolicy
 
 UNIT_PREFIX = "llmgw-"
 UNIT_DIR_PREFIX = "llmgw"  # StateDirectory=llmgw/R: /var/lib/llmgw/R, /var/cache/llmgw/R
 SLEEP = "/usr/bin/sleep"  # coreutils, at this path on Debian and RHEL alike
+TRUE = "/usr/bin/true"  # the same
 # A start command may run as long as its own wait plus this margin before systemd
 # kills it: TimeoutStartSec= is re-armed for each ExecStartPre=, so each wait carries
 # its own deadline and systemd's timeout is only a backstop.
@@ -115,14 +120,18 @@ class TargetUnit:
 
 @dataclass(frozen=True)
 class RestartUnit:
-    """Starts the target again, delay seconds after a member ended failed."""
+    """The restart unit (sleeps the delay after a member ended, then starts its
+    on_success: the relaunch unit) and the relaunch unit (starts the target once no
+    member has a job: ordering is checked when its start job runs, after the delay)."""
 
     name: str
     description: str
     target: str
     members: tuple[str, ...]  # ordered after: it waits for a member's stop to finish
-    sleep_argv: tuple[str, ...]
-    sandbox: bool  # it only sleeps: locked down completely (system manager)
+    argv: tuple[str, ...]
+    on_success: str
+    relaunch: bool  # which of the two
+    sandbox: bool  # it only sleeps or does nothing: locked down completely (system manager)
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,7 @@ class ShardPlan:
     target: TargetUnit
     services: tuple[ServiceUnit, ...]
     restart: RestartUnit
+    relaunch: RestartUnit
     notes: tuple[str, ...] = ()  # for the operator: what this plan does that may surprise
     spec_digest: str = ""  # the replica's version, the same on every node (spec_digest)
 
@@ -153,7 +163,11 @@ def service_name(replica: str, step: str) -> str:
 
 
 def restart_unit_name(replica: str) -> str:
-    return f"{UNIT_PREFIX}{replica}-restart.service"
+    return f"{UNIT_PREFIX}{replica}-{RESTART_UNITS[0]}.service"
+
+
+def relaunch_unit_name(replica: str) -> str:
+    return f"{UNIT_PREFIX}{replica}-{RESTART_UNITS[1]}.service"
 
 
 def plan_node(spec: Spec, node: str, manager: Manager, *, allow_empty: bool = False
@@ -224,6 +238,7 @@ def _plan_rank(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
     steps = replica.engine.steps(replica.name, replica.nodes, rank)
     target = target_name(replica.name)
     restarter = restart_unit_name(replica.name)
+    relauncher = relaunch_unit_name(replica.name)
     names = [service_name(replica.name, step.name) for step in steps]
     engine = names[-1]
     sidecars = tuple(names[:-1])
@@ -300,8 +315,16 @@ def _plan_rank(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             name=restarter,
             description=f"llmgw {replica.name} {place}: restart after members died together",
             target=target, members=tuple(names),
-            sleep_argv=(SLEEP, str(replica.restart.delay)),
+            argv=(SLEEP, str(replica.restart.delay)),
+            on_success=relauncher, relaunch=False,
             sandbox=not manager.user,
+        ),
+        relaunch=RestartUnit(
+            name=relauncher,
+            description=f"llmgw {replica.name} {place}: start the members again once none "
+                        "is stopping",
+            target=target, members=tuple(names), argv=(TRUE,), on_success=target,
+            relaunch=True, sandbox=not manager.user,
         ),
         notes=_notes(replica, manager),
     )

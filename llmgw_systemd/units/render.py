@@ -92,6 +92,6 @@ def render_shards(plans: Iterable[ShardPlan], env: jinja2.Environment | None = N
                                               header=header(plan, plan.target.name, written_by))
         for unit in plan.services:
             out[unit.name] = service.render(unit=unit, header=header(plan, unit.name, written_by))
-        out[plan.restart.name] = restart.render(unit=plan.restart,
-                                                header=header(plan, plan.restart.name, written_by))
+        for step in (plan.restart, plan.relaunch):
+            out[step.name] = restart.render(unit=step, header=header(plan, step.name, written_by))
     return out

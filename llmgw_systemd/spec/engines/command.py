@@ -19,7 +19,7 @@ from llmgw_systemd.spec.engines.base import (
     wildcard,
 )
 from llmgw_systemd.spec.keys import REQUIRED, Key, integer, matching, read_all, tcp_port
-from llmgw_systemd.spec.names import is_word
+from llmgw_systemd.spec.names import RESTART_UNITS, is_word
 from llmgw_systemd.spec.reader import Reader
 
 if TYPE_CHECKING:
@@ -139,6 +139,9 @@ def _command(reader: Reader, raw: Any, path: KeyPath, index: int, is_engine: boo
     name = _NAME.read(reader, data, path) or ("engine" if is_engine else f"sidecar{index}")
     if name == "engine" and not is_engine:
         raise reader.fail((*path, "name"), "the name 'engine' is reserved for the last command")
+    if name in RESTART_UNITS:
+        raise reader.fail((*path, "name"), f"the name '{name}' is reserved: "
+                          f"llmgw-REPLICA-{name}.service restarts the shard")
     return Command(name, _ARGV.read(reader, data, path), _WAIT_FOR.read(reader, data, path),
                    _BINDS.read(reader, data, path))
 
