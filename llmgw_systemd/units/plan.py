@@ -131,6 +131,7 @@ class RestartUnit:
     argv: tuple[str, ...]
     on_success: str
     relaunch: bool  # which of the two
+    start_limit: tuple[int, int]  # StartLimitBurst=, StartLimitIntervalSec=
     sandbox: bool  # it only sleeps or does nothing: locked down completely (system manager)
 
 
@@ -239,6 +240,11 @@ def _plan_rank(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
     target = target_name(replica.name)
     restarter = restart_unit_name(replica.name)
     relauncher = relaunch_unit_name(replica.name)
+    # Each start of the restart steps follows a member's end, and each member starts at
+    # most burst times an interval: twice that for every member is a bound no real run
+    # reaches. It ends the one loop a spent budget leaves: a member refused for its own
+    # limit fails again, and its OnFailure= starts the restart again, every delay.
+    limit = (2 * replica.restart.burst * len(steps), replica.restart.interval)
     names = [service_name(replica.name, step.name) for step in steps]
     engine = names[-1]
     sidecars = tuple(names[:-1])
@@ -316,7 +322,7 @@ def _plan_rank(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             description=f"llmgw {replica.name} {place}: restart after members died together",
             target=target, members=tuple(names),
             argv=(SLEEP, str(replica.restart.delay)),
-            on_success=relauncher, relaunch=False,
+            on_success=relauncher, relaunch=False, start_limit=limit,
             sandbox=not manager.user,
         ),
         relaunch=RestartUnit(
@@ -324,7 +330,7 @@ def _plan_rank(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
             description=f"llmgw {replica.name} {place}: start the members again once none "
                         "is stopping",
             target=target, members=tuple(names), argv=(TRUE,), on_success=target,
-            relaunch=True, sandbox=not manager.user,
+            relaunch=True, start_limit=limit, sandbox=not manager.user,
         ),
         notes=_notes(replica, manager),
     )
