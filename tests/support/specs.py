@@ -78,9 +78,12 @@ replicas:
 
 def two_node_replica(path: Path, *, name: str, leader: str, worker: str, http: int,
                      head: int, pid_file: Path, delay: int = 2, burst: int = 5,
-                     interval: int = 120, rendezvous_timeout: int = 60) -> Path:
+                     interval: int = 120, rendezvous_timeout: int = 60,
+                     head_slow_stop: int | None = None, engine_exit_on_term: int | None = None,
+                     extra: str = "") -> Path:
     """Rank 0 on node-a: head sidecar + serving member; rank 1 on node-b: a member that
-    joins the head across the link (as a Ray worker does)."""
+    joins the head across the link (as a Ray worker does). extra: more replica keys,
+    each a line indented by four."""
     return write(path, f"""\
 replicas:
   - name: {name}
@@ -89,15 +92,16 @@ replicas:
     rendezvous_timeout: {rendezvous_timeout}
     port_release_timeout: 3
     restart: {{delay: {delay}, burst: {burst}, interval: {interval}}}
-    nodes:
+{extra}    nodes:
       - {{name: node-a, address: {leader}}}
       - {{name: node-b, address: {worker}}}
     ranks:
       - commands:
           - name: head
-            argv: {yaml_list(head_argv(head, "0.0.0.0", pid_file))}
+            argv: {yaml_list(head_argv(head, "0.0.0.0", pid_file, head_slow_stop))}
             binds: [{head}]
-          - argv: {yaml_list(member_argv(f"{leader}:{head}", http))}
+          - argv: {yaml_list(member_argv(f"{leader}:{head}", http,
+                                         exit_on_term=engine_exit_on_term))}
             wait_for: ["{leader}:{head}"]
       - commands:
           - argv: {yaml_list(member_argv(f"{leader}:{head}"))}
