@@ -306,6 +306,20 @@ CASES = [
          local=units("failed", "failed", result="start-limit-hit"), probe=None,
          memory=Memory(failing_since=NOW - 30), state=FAILED,
          reason="no group restart: this node's shard hit its start limit"),
+    Case("a member killed during an operator's stop of this node's target: no restart",
+         local=replace(units("failed", "failed", result="signal"), target=UnitState(
+             "llmgw-rep.target", "loaded", "active", "active", job_type="stop")),
+         probe=None, memory=Memory(failing_since=NOW - 30), state=FAILED,
+         reason="no group restart: this node's target is stopped"),
+    Case("the same once the stop is done (target inactive, no job)",
+         local=replace(units("failed", "failed", result="signal"), target=UnitState(
+             "llmgw-rep.target", "loaded", "inactive", "dead")),
+         probe=None, memory=Memory(failing_since=NOW - 30), state=FAILED,
+         reason="no group restart: this node's target is stopped"),
+    Case("a group restart's own restart job on the target is no operator's stop",
+         local=replace(units("failed", "failed", result="signal"), target=UnitState(
+             "llmgw-rep.target", "loaded", "active", "active", job_type="restart")),
+         probe=None, memory=Memory(failing_since=NOW - 30), state=FAILED, restarts=1),
     # one fault, one restart: while this node's restart is under way (its old generation
     # still stopping, still stalled), nothing more is asked for
     Case("a stall restart under way: the old generation still stalled, no second one",

@@ -75,6 +75,7 @@ from llmgw_systemd.health.rules import (
     replica_health,
     shard_health,
 )
+from llmgw_systemd.health.unit_state import UnitState
 from llmgw_systemd.health.versions import RankVersion, mixed, must_rejoin, staged_line
 
 
@@ -399,6 +400,7 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
     verdict = _group_restart(policy, verdict, now,
                              engine_since=local.engine_since if local else None,
                              leader_started=leader_started, start_limited=held,
+                             target_stopped=local is not None and stopped_here(local.target),
                              rejoin=must_rejoin(versions, policy.rank))
     own = stopping(local.target.job_type, verdict.memory.restart_pending is not None) \
         if local is not None else None
@@ -442,10 +444,18 @@ def _drain(policy: ReplicaPolicy, verdict: Verdict, now: float,
                    memory=replace(memory, drain=drain, routable=False))
 
 
+def stopped_here(target: UnitState) -> bool:
+    """This node's target stopped, or being stopped, by someone (an operator, a node
+    shutting down): a group restart here (RestartUnit of the target) would start it again
+    against their word. A member that dies in that stop is no death to restart from."""
+    return target.job_type == "stop" or (target.is_down and not target.job_type)
+
+
 def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                    engine_since: float | None = None,
                    leader_started: float | None = None,
-                   start_limited: bool = False, rejoin: str = "") -> Verdict:
+                   start_limited: bool = False, target_stopped: bool = False,
+                   rejoin: str = "") -> Verdict:
     memory, health, reports = verdict.memory, verdict.health, verdict.ranks
     generations = dict(verdict.generations)
     pending = memory.restart_pending
@@ -504,6 +514,11 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                        health=Health(FAILED, f"{died}; no group restart: this node's shard "
                                      "hit its start limit (systemctl reset-failed to try "
                                      "again)"))
+    if target_stopped:
+        return replace(verdict, memory=replace(memory, failing_since=None),
+                       health=Health(FAILED if failed else DEGRADED,
+                                     f"{died}; no group restart: this node's target is "
+                                     "stopped"))
     if pending is not None:
         # This node's restart of its shard is under way: the old generation is still
         # seen while it stops (a stalled one still stalled, a drain still running), and

@@ -21,7 +21,10 @@ from pathlib import Path
 
 import pytest
 from specs import free_port, two_node_replica
+from supervisors import SupervisorProcess, stop_and_show
 from systemd_harness import Nodes, UserManager, wait_until
+
+from llmgw_systemd.spec.endpoint import SUPERVISOR_PORT
 
 pytestmark = pytest.mark.integration
 
@@ -44,12 +47,16 @@ RUNS = {"sidecar-then-engine": 8, "sidecar-then-engine-soon": 12,
 
 def spec(path: Path, nodes: Nodes, http: int, head: int, pid_file: Path) -> Path:
     # the engine exits 0 on SIGTERM, as vLLM does once ready (a planned stop's end, and
-    # the clean exit as-the-restart-delay-ends sends it); the head takes HEAD_STOP to stop
+    # the clean exit as-the-restart-delay-ends sends it); the head takes HEAD_STOP to stop;
+    # a supervisor, where one runs, restarts the group as often as the kills ask
     return two_node_replica(path, name=REPLICA, leader=nodes.address("node-a"),
                             worker=nodes.address("node-b"), http=http, head=head,
                             pid_file=pid_file, delay=DELAY, burst=500, interval=DELAY * 600,
                             head_slow_stop=HEAD_STOP, engine_exit_on_term=0,
-                            extra="    stop_timeout: 40\n")
+                            extra="    stop_timeout: 40\n"
+                                  "    health: {interval: 1, timeout: 1, stability: 2}\n"
+                                  "    group_restart: {delay: 1, max_delay: 2, budget: 500, "
+                                  "window: 600}\n")
 
 
 class Pair:
@@ -61,6 +68,7 @@ class Pair:
         path = spec(tmp / "spec.yaml", nodes, free_port(), free_port(), self.pid_file)
         self.leader.render(path, "node-a")
         self.worker.render(path, "node-b")
+        self.spec = path
         self.failures: list[str] = []
 
     def main_pid(self, manager: UserManager, unit: str) -> int:
@@ -265,15 +273,32 @@ ORDERS: dict[str, Callable[[Pair, str, tuple[int, int, int]], tuple[int, int, in
 }
 
 
-@pytest.mark.parametrize("order", list(ORDERS))
-def test_no_kill_order_leaves_a_shard_down(two_nodes: Nodes,
-                                           tmp_path: Path, order: str) -> None:
+# With a supervisor on each node too (it restarts the whole group when a rank dies), for
+# the orders that end in a restart unit's work: fewer runs, the orders above cover the rest.
+SUPERVISED = ("both-at-once", "as-the-restart-delay-ends", "during-planned-stop")
+SUPERVISED_RUNS = 4
+
+
+@pytest.mark.parametrize(("order", "supervised"),
+                         [*((o, False) for o in ORDERS), *((o, True) for o in SUPERVISED)],
+                         ids=[*ORDERS, *(f"{o}, supervised" for o in SUPERVISED)])
+def test_no_kill_order_leaves_a_shard_down(two_nodes: Nodes, tmp_path: Path, order: str,
+                                           supervised: bool) -> None:
     pair = Pair(two_nodes, tmp_path)
-    pids = pair.start()
-    runs = int(os.environ.get("LLMGW_TEST_KILL_RUNS", RUNS[order]))
-    for i in range(runs):
-        pids = ORDERS[order](pair, f"{order} #{i}", pids)
-    print(f"figure: {order}: {len(pair.failures)} of {runs} runs left a shard down")
+    sups = [SupervisorProcess(m, n, pair.spec, listen=f"{two_nodes.address(n)}:"
+                              f"{SUPERVISOR_PORT}")
+            for m, n in ((pair.leader, "node-a"), (pair.worker, "node-b"))] if supervised \
+        else []
+    try:
+        pids = pair.start()
+        runs = int(os.environ.get("LLMGW_TEST_KILL_RUNS",
+                                  SUPERVISED_RUNS if supervised else RUNS[order]))
+        for i in range(runs):
+            pids = ORDERS[order](pair, f"{order} #{i}", pids)
+    finally:
+        stop_and_show(sups)
+    print(f"figure: {order}{' (supervised)' if supervised else ''}: {len(pair.failures)} "
+          f"of {runs} runs left a shard down")
     assert not pair.failures, (f"{len(pair.failures)} of {runs} runs left a shard down "
                                "(or a stopped one came back):\n"
                                + "\n\n".join(pair.failures))
