@@ -128,7 +128,7 @@ def test_apply_restarts_only_what_changed_and_stops_what_left(one_node: UserMana
     before = snapshot(one_node.unit_dir)
     dry = one_node.apply(spec, "node", "--dry-run")
     assert dry.stdout.splitlines()[-2:] == ["replica a: nothing to do",
-                                            "replica b: would stop (4 unit files removed)"]
+                                            "replica b: would stop (5 unit files removed)"]
     assert snapshot(one_node.unit_dir) == before
     assert engine_pid(one_node, "b") == b_pid
 
@@ -139,7 +139,7 @@ def test_apply_restarts_only_what_changed_and_stops_what_left(one_node: UserMana
     assert [len(cgroup_pids(c)) for c in b_cgroups] == [2, 1]
     gone = one_node.apply(spec, "node")
     assert gone.stdout.splitlines() == ["replica a: nothing to do",
-                                        "replica b: stopped (4 unit files removed)"]
+                                        "replica b: stopped (5 unit files removed)"]
     assert not [pid for pid in b_pids if pid_alive(pid)]
     assert [cgroup_pids(c) for c in b_cgroups] == [set(), set()]
     assert sorted(p.name for p in one_node.unit_dir.glob("llmgw-b*")) == []
