@@ -52,7 +52,7 @@ def test_install_render_verify_remove(root: Path) -> None:
     out = chroot(root, "llmgw-render", "--node", "gpu-a1", "/etc/llmgw/replicas.d")
     assert "created /etc/systemd/system/llmgw-llama-70b-engine.service" in out
     rendered = sorted(p.name for p in (root / "etc/systemd/system").glob("llmgw-*"))
-    assert len(rendered) == 7, rendered
+    assert len(rendered) == 9, rendered  # 2 replicas: target, restart, relaunch, members
     # systemd-analyze verify inside the root: empty executables stand in for the
     # engines' installations, which the example spec points at
     for exe in ("/opt/llmgw/vllm/bin/vllm", "/opt/llmgw/vllm/bin/ray",
@@ -130,7 +130,7 @@ def test_generator_runs_from_its_system_generators_link(root: Path, tmp_path: Pa
 
         units = runs[0]
         assert runs[1] == units and caches[1] == caches[0]  # the second from the cache
-        assert len(units) == 7 and "llmgw-llama-70b-engine.service" in units, sorted(units)
+        assert len(units) == 9 and "llmgw-llama-70b-engine.service" in units, sorted(units)
         assert all(name.startswith("llmgw-") for name in units), sorted(units)
         waits = [line for text in units.values() for line in text.splitlines()
                  if line.startswith("ExecStartPre=") and "llmgw-wait-for-port" in line]
