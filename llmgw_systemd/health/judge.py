@@ -50,14 +50,7 @@ from llmgw_systemd.health.drain import (
 )
 from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
 from llmgw_systemd.health.group_restart import GIVE_UP, NOW, GroupRestartPolicy, decide
-from llmgw_systemd.health.progress import (
-    BUSY,
-    PROGRESSING,
-    STALLED,
-    Liveness,
-    ProgressReading,
-    liveness,
-)
+from llmgw_systemd.health.progress import BUSY, STALLED, Liveness, ProgressReading, liveness
 from llmgw_systemd.health.rules import (
     DEGRADED,
     DRAINING,
@@ -99,9 +92,6 @@ class ReplicaPolicy:
     # the health probe itself asks for a token (SGLang's /health): while it fails, its
     # request is work owed, as the generation check's is
     health_generates: bool = False
-    # health probes in a row that may time out before a serving rank that answered counts
-    # as down (the spec's health.timeouts; 1: the first); refused, reset, 5xx: at once
-    probe_timeouts: int = 1
     # a follower whose leader's engine started more than this many seconds after its own
     # is a half of a group that is gone (None: off): stop_timeout + settle, so that the
     # two ends of one group restart, stopping at their own pace, never count
@@ -138,9 +128,6 @@ class Memory:
     # when a judgement last said routable: a gateway may still send for drain.delay after
     # (it has not noticed yet), so a drain beginning within that was served all the same
     routable_at: float | None = None
-    # (generation, when the last one counted was taken, how many) health probes in a row
-    # have timed out: slow_probes()
-    slow_probes: tuple[str, float, int] | None = None
 
 
 DEATH, STALL = "death", "stall"
@@ -180,19 +167,6 @@ class Verdict:
     def settled(self) -> bool:
         """Ready long enough that a rank's restart from here on counts as a death."""
         return self.memory.baseline is not None
-
-
-def slow_probes(last: tuple[str, float, int] | None, probe: ProbeEvidence | None,
-                generation: str) -> tuple[str, float, int] | None:
-    """How many health probes in a row have timed out, this one included: None when this
-    one answered or did not time out (refused, reset, 5xx are not slow: they are down)."""
-    if probe is None or probe.ok or not probe.detail.startswith(NO_ANSWER):
-        return None
-    if last is None or last[0] != generation:
-        return (generation, probe.taken_at, 1)
-    if last[1] == probe.taken_at:
-        return last  # the same probe judged again
-    return (generation, probe.taken_at, last[2] + 1)
 
 
 def _current(evidence: ProbeEvidence | None, generation: str, fresh: float, now: float
@@ -259,31 +233,13 @@ def local_rank(policy: ReplicaPolicy, memory: Memory, local: LocalEvidence | Non
         live = liveness([r for r in progress if r.generation == generation], now=now,
                         stall_after=policy.stall_after,
                         check_failing_since=None if failing is None else failing[1])
-    was_ready = bool(generation) and memory.served == generation
-    slow = slow_probes(memory.slow_probes, valid, generation) if policy.serving else None
-    memory = replace(memory, slow_probes=slow)
-    if live is not None and live.verdict == PROGRESSING and slow is not None:
-        # work pending, steps running, and the probe waits behind them: busy
-        live = Liveness(BUSY, f"{live.reason}; the health probe waits behind them")
-    busy = live is not None and live.verdict == BUSY
-    if busy:
-        # no count while the engine works: once it is idle, a hang needs its own misses
-        memory = replace(memory, slow_probes=None)
-    if valid is not None and slow is not None and was_ready and (
-            busy or slow[2] < policy.probe_timeouts):
-        # Slow is not down: a saturated engine misses a short deadline while it serves.
-        # Its steps running with work pending is the evidence; without it, a few misses
-        # in a row are tolerated (a hang still shows within probe_timeouts probes, or as
-        # a stall within stall_after).
-        why = (f"busy: {live.reason}" if busy and live is not None else
-               f"{slow[2]} of {policy.probe_timeouts} allowed in a row")
-        valid = replace(valid, ok=True, detail=f"slow: {valid.detail} ({why})")
     waited = completed is not None and completed.detail.startswith(NO_ANSWER)
-    if busy and live is not None and valid is not None and valid.ok and waited:
+    if live is not None and live.verdict == BUSY and valid is not None and valid.ok and waited:
         # the one-token check waits behind real work: steps running is the evidence
         combined: Probe | None = Probe(True, f"{valid.detail}; busy: {live.reason}")
     else:
         combined = combined_probe(policy, valid, completed)
+    was_ready = bool(generation) and memory.served == generation
     health = shard_health(
         local.target, local.members, serving=policy.serving, probe=combined,
         now_usec=int(now * 1e6), stability_usec=int(policy.stability * 1e6),

@@ -281,11 +281,7 @@ HEALTH = Key("health", read_health, HealthCheck(),
              "metrics: vLLM's, SGLang's with `--enable-metrics`, a command engine's "
              "`progress`) restarts the replica as a group; one still stepping while the "
              "one-token check times out behind real work stays ready, `busy` "
-             "(docs/supervisor.md, \"Stalls\"). `timeouts`: health probes in a row that "
-             "may time out before a serving rank that answered counts as down; a refused "
-             "connection or a 5xx counts at once, and a slow probe while the engine steps "
-             "with work pending never counts (`busy`: docs/supervisor.md, \"Slow is not "
-             "down\").", shown=shown_mapping(HEALTH_KEYS))
+             "(docs/supervisor.md, \"Stalls\").", shown=shown_mapping(HEALTH_KEYS))
 
 COMMON_KEYS: tuple[Key[Any], ...] = (
     NAME, ENGINE, ENABLE, NODES, RENDEZVOUS_TIMEOUT, PORT_RELEASE_TIMEOUT, GPUS, ENV,

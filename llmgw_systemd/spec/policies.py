@@ -117,10 +117,6 @@ HEALTH_KEYS = (
     Key("path", read_probe_path, "/health", "the serving rank's health endpoint"),
     Key("interval", seconds(1, 3600, "seconds between probes"), 5, "seconds between probes"),
     Key("timeout", seconds(1, 600, "a probe timeout in seconds"), 2, "a probe's timeout"),
-    Key("timeouts", integer(1, 100, "a count of probes"), 3,
-        "probes in a row that time out before a serving rank that answered counts as down "
-        "(one refused, reset or 5xx is enough; while its engine steps with work pending a "
-        "slow probe never counts: busy, not down)"),
     Key("stability", seconds(0, 86400, "seconds a non-serving rank must stay up"), 30,
         "seconds a non-serving rank must stay up to count as ready"),
     Key("generation", read_generation, None, "the one-token completion check"),
@@ -129,8 +125,7 @@ HEALTH_KEYS = (
         "metrics) before the replica counts as stalled and restarts as a group; also how "
         "long a failing generation check with the metrics unreadable may last. 0: off"),
 )
-(_PATH, _H_INTERVAL, _H_TIMEOUT, _H_TIMEOUTS, _STABILITY, _GENERATION,
- _STALL_AFTER) = HEALTH_KEYS
+_PATH, _H_INTERVAL, _H_TIMEOUT, _STABILITY, _GENERATION, _STALL_AFTER = HEALTH_KEYS
 
 
 @dataclass(frozen=True)
@@ -141,7 +136,6 @@ class HealthCheck:
     path: str = _PATH.default
     interval: int = _H_INTERVAL.default
     timeout: int = _H_TIMEOUT.default
-    timeouts: int = _H_TIMEOUTS.default  # slow is not down: health/judge.py, slow_probe
     stability: int = _STABILITY.default
     generation: GenerationCheck | None = _GENERATION.default
     stall_after: int = _STALL_AFTER.default  # 0: off (health/progress.py)

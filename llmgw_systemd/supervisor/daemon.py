@@ -401,8 +401,7 @@ class Supervisor:
                               if check.generation is not None else None),
             stall_after=float(check.stall_after) if _reads_progress(shard) else 0.0,
             health_generates=(replica.http is not None
-                              and check.path in replica.http.generating_paths),
-            probe_timeouts=check.timeouts)
+                              and check.path in replica.http.generating_paths))
 
     def _sync_tasks(self) -> None:
         """One prober per serving shard and kind, one fetcher per peer node: tasks on the
