@@ -18,8 +18,8 @@ to a peer cost requests, not TCP and TLS handshakes, and when the connection mus
 again (the peer restarted, closed it, or an exchange failed) the last TLS session is
 resumed. TLS runs through an ssl.SSLObject over memory buffers, the only way Python
 offers to resume a session on an asyncio socket. A connection is reused only after a
-complete, successful exchange; any failure closes it. fetch_shards and fetch_replica are
-one-shot wrappers for callers without an event loop.
+complete, successful exchange; any failure closes it. fetch_shards is a
+one-shot wrapper for callers without an event loop.
 
 Every failure is one PeerError (errors.py) whose `kind` is one of PEER_FAILURES (the daemon counts
 them by kind) and whose message is one line naming the peer (the daemon logs it,
@@ -48,16 +48,12 @@ import h11
 
 from llmgw_systemd.errors import PeerError, one_line
 from llmgw_systemd.gather.wire import (
-    REPLICAS_PATH,
     SHARDS_PATH,
-    ReplicaAnswer,
     ShardReport,
     decode,
     parse_answer,
-    parse_replica,
     wire_reader,
 )
-from llmgw_systemd.spec.names import is_replica_name
 
 USER_AGENT = "llmgw-supervisor"
 MAX_HEADER_BYTES = 16 * 1024  # status line plus headers; a real peer sends a few hundred
@@ -118,19 +114,6 @@ class PeerSession:
             self.close()  # a peer that sent that is not asked again on this connection
             raise
         return PeerAnswer(node, version, shards, peer_cert)
-
-    async def fetch_replica(self, name: str, *, deadline: float) -> ReplicaAnswer:
-        """GET /v1/replicas/NAME within `deadline`; a 404 means the supervisor does not
-        watch the replica (PeerError http-status)."""
-        _check_arguments(self.host, self.port, deadline, None, 0.0, self.max_bytes)
-        if not is_replica_name(name):
-            raise ValueError(f"not a replica name: {name!r}")
-        body, _ = await self._request(f"{REPLICAS_PATH}/{name}", deadline)
-        try:
-            return parse_replica(wire_reader(self.where), decode(self.where, body))
-        except PeerError:
-            self.close()
-            raise
 
     def close(self) -> None:
         if self._channel is not None:
@@ -204,15 +187,6 @@ def fetch_shards(host: str, port: int, *, deadline: float, after: int | None = N
                           server_hostname=server_hostname, max_bytes=max_bytes, clock=clock,
                           keep=False)
     return run_once(session, session.fetch_shards(deadline=deadline, after=after, wait=wait))
-
-
-def fetch_replica(host: str, port: int, name: str, *, deadline: float,
-                  clock: Callable[[], float] = time.monotonic) -> ReplicaAnswer:
-    """GET /v1/replicas/NAME from the supervisor at host:port (this node's own, over
-    loopback: `llmgw-render --apply` asks it about the other ranks). PeerError on any
-    failure, as fetch_shards; a 404 means it does not watch the replica."""
-    session = PeerSession(host, port, clock=clock, keep=False)
-    return run_once(session, session.fetch_replica(name, deadline=deadline))
 
 
 def run_once(session: PeerSession, request: Coroutine[Any, Any, T]) -> T:
