@@ -102,10 +102,13 @@ class PeerError(LlmgwError):
     """A fetch from a peer supervisor failed; `kind` says how. The message may quote what
     the peer sent, so it is made one short line with control characters escaped."""
 
-    def __init__(self, kind: PeerFailure, message: str) -> None:
+    def __init__(self, kind: PeerFailure, message: str, *, refused: bool = False) -> None:
         if kind not in PEER_FAILURES:
             raise ValueError(f"unknown PeerError kind {kind!r}")
         self.kind = kind
+        # the node's kernel answered and nothing listened (a connection refused): the
+        # node is up, its supervisor is not (restarting); a timeout says nothing of it
+        self.refused = refused
         self.message = one_line(message)
         super().__init__(self.message)
 

@@ -50,6 +50,9 @@ PROBE_OK = ProbeEvidence(True, "HTTP 200 in 3 ms", GEN, NOW - 1)
 PROBE_OLD_GEN = ProbeEvidence(True, "HTTP 200 in 3 ms", OLD_GEN, NOW - 1)
 PROBE_STALE = ProbeEvidence(True, "HTTP 200 in 3 ms", GEN, NOW - 10)
 PROBE_REFUSED = ProbeEvidence(False, "connection refused", GEN, NOW - 1)
+PROBE_SLOW = ProbeEvidence(False, "no answer within 2 s", GEN, NOW - 1)
+PROBE_500 = ProbeEvidence(False, "HTTP 503", GEN, NOW - 1)
+TOLERANT = replace(POLICY, probe_timeouts=3)  # the spec's health.timeouts
 COMPLETED = ProbeEvidence(True, "answered in 40 ms", GEN, NOW - 2)
 COMPLETION_500 = ProbeEvidence(False, "HTTP 500 in 9 ms", GEN, NOW - 2)
 COMPLETION_TIMEOUT = ProbeEvidence(False, "no answer within 10 s", GEN, NOW - 2)
@@ -82,6 +85,14 @@ def shard(rank: int, node: str, state: State = READY, gen: str = "cc" * 16,
 
 
 B_READY = peer("b", shard(1, "b"))
+GRACEFUL = replace(POLICY, peer_grace=20)
+
+
+def restarting(age: float) -> PeerEvidence:
+    """b refuses connections now; its last answer came `age` seconds ago."""
+    return PeerEvidence("b", NOW - 0.5, False,
+                        error="cannot connect to b: Connection refused", refused=True,
+                        last=peer("b", shard(1, "b"), age=age))
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,33 @@ CASES = [
          state=DEGRADED, reason="report from the supervisor on b is 6 s old"),
     Case("peer unreachable", peers={"b": peer("b", error="connection refused")},
          state=DEGRADED, reason="supervisor on b unreachable: connection refused"),
+    # -- a peer's supervisor restarting is not a dead rank (judge.held_over)
+    Case("refused, its last answer within the grace, ours ready: held over",
+         policy=GRACEFUL, peers={"b": restarting(age=15)},
+         reason="all 2 ranks ready"),
+    Case("refused, its last answer older than the grace: unknown", policy=GRACEFUL,
+         peers={"b": restarting(age=21)}, state=DEGRADED,
+         reason="supervisor on b unreachable: cannot connect to b: Connection refused"),
+    Case("refused, and no answer ever came through: unknown", policy=GRACEFUL,
+         peers={"b": replace(restarting(age=1), last=None)}, state=DEGRADED,
+         reason="unreachable"),
+    Case("silent (a timeout: the node may be gone): unknown at once", policy=GRACEFUL,
+         peers={"b": replace(restarting(age=1), refused=False)}, state=DEGRADED,
+         reason="unreachable"),
+    Case("refused while ours is not ready: unknown, no grace", policy=GRACEFUL,
+         probe=None, peers={"b": restarting(age=1)}, state=DEGRADED,
+         reason="rank 1 on b: supervisor on b unreachable"),
+    Case("refused, with no grace configured: unknown", peers={"b": restarting(age=1)},
+         state=DEGRADED, reason="unreachable"),
+    Case("held over, its last answer unauthenticated under TLS: unknown",
+         policy=replace(GRACEFUL, require_auth=True),
+         peers={"b": replace(restarting(age=1), last=peer("b", shard(1, "b"), age=1,
+                                                           authenticated=False))},
+         state=DEGRADED, reason="not authenticated"),
+    Case("held over: its last answer said degraded, and so it stays", policy=GRACEFUL,
+         peers={"b": replace(restarting(age=2), last=peer("b", shard(1, "b", DEGRADED),
+                                                           age=2))},
+         state=DEGRADED, reason="(as reported 2 s ago; its supervisor is not answering"),
     Case("no word from the peer yet", peers={}, state=DEGRADED,
          reason="no report yet from the supervisor on b"),
     Case("a third node speaks for rank 1 while b is unreachable",
@@ -237,6 +275,42 @@ CASES = [
          policy=WORKER, memory=Memory(failing_since=NOW - 5),
          peers={"a": peer("a", shard(0, "a", STOPPED))}, state=DEGRADED,
          reason="rank 0 on a: stopped"),
+    # -- slow is not down: a timed-out probe counts only in a row (health.timeouts)
+    Case("one slow probe after this generation served: still ready", policy=TOLERANT,
+         probe=PROBE_SLOW, memory=SERVED, reason="all 2 ranks ready"),
+    Case("the third slow probe in a row: down", policy=TOLERANT, probe=PROBE_SLOW,
+         memory=replace(SERVED, slow_probes=(GEN, NOW - 6, 2)), state=DEGRADED,
+         reason="stopped answering: no answer within 2 s"),
+    Case("slow probes from an earlier start do not count", policy=TOLERANT,
+         probe=PROBE_SLOW, memory=replace(SERVED, slow_probes=(OLD_GEN, NOW - 6, 2)),
+         reason="all 2 ranks ready"),
+    Case("refused: down at once, however tolerant", policy=TOLERANT, probe=PROBE_REFUSED,
+         memory=SERVED, state=DEGRADED, reason="stopped answering: connection refused"),
+    Case("a 5xx: down at once", policy=TOLERANT, probe=PROBE_500, memory=SERVED,
+         state=DEGRADED, reason="stopped answering: HTTP 503"),
+    Case("slow before it ever answered: still starting, not ready", policy=TOLERANT,
+         probe=PROBE_SLOW, state=STARTING, reason="not answering yet"),
+    Case("slow, and its engine steps with work pending: busy, never counted",
+         policy=replace(TOLERANT, stall_after=120), probe=PROBE_SLOW,
+         memory=replace(SERVED, slow_probes=(GEN, NOW - 6, 5)),
+         progress=progress(steps=40, pending=7), reason="busy: 7 request(s) pending"),
+    Case("slow, and no engine step from before it began to after: down at once (hung)",
+         policy=replace(TOLERANT, stall_after=120), probe=PROBE_SLOW, memory=SERVED,
+         progress=progress(steps=0, pending=2, span=20), state=DEGRADED,
+         reason="no answer within 2 s, and no engine step since it began"),
+    Case("slow and idle, nothing excuses it: down at once", policy=TOLERANT,
+         probe=PROBE_SLOW, memory=SERVED, progress=progress(steps=0, pending=0, span=10),
+         state=DEGRADED, reason="no engine step since it began"),
+    Case("slow, the metrics unreadable too: tolerated in a row", policy=TOLERANT,
+         probe=PROBE_SLOW, memory=SERVED, progress=UNREADABLE,
+         reason="all 2 ranks ready"),
+    Case("slow, no reading since it began: tolerated in a row", policy=TOLERANT,
+         probe=PROBE_SLOW, memory=SERVED, progress=progress(steps=5, pending=2, span=20)[:-1],
+         reason="all 2 ranks ready"),
+    Case("slow, work pending and no step for stall_after: stalled, not busy",
+         policy=replace(TOLERANT, stall_after=120), probe=PROBE_SLOW,
+         memory=replace(SERVED, slow_probes=(GEN, NOW - 6, 1)),
+         progress=progress(steps=0, pending=3), state=FAILED, reason="stalled"),
     # -- progress: busy is not stalled, a stall restarts the group (health/progress.py)
     Case("saturated: the check times out behind real work, steps run: ready, busy",
          policy=STALLING, memory=SERVED, completion=COMPLETION_TIMEOUT,
@@ -355,6 +429,24 @@ def test_judge(case: Case) -> None:
         assert all(r.state == READY for r in verdict.ranks)
     if verdict.actions:
         assert verdict.memory.restarts[-1] == NOW
+
+
+def test_slow_probes_count_in_a_row_and_an_answer_resets_them() -> None:
+    """The judge sees each probe result several times (every reconcile): a result counts
+    once, by when it was taken; an answer in between starts the count again."""
+    memory = SERVED
+    states = []
+    for taken, probe in ((1, PROBE_SLOW), (1, PROBE_SLOW), (2, PROBE_SLOW), (3, PROBE_OK),
+                         (4, PROBE_SLOW), (5, PROBE_SLOW), (6, PROBE_SLOW)):
+        verdict = judge(TOLERANT, memory, local=UP, systemd_error="",
+                        probe=replace(probe, taken_at=NOW - 1 + taken / 10),
+                        peers={"b": B_READY}, now=NOW)
+        memory = verdict.memory
+        states.append((verdict.health.state, verdict.ranks[0].reason))
+    assert [s for s, _ in states] == [READY] * 6 + [DEGRADED], states
+    assert states[2][1] == ("health endpoint answered: slow: no answer within 2 s "
+                            "(2 of 3 allowed in a row)"), states
+    assert states[4][1].endswith("(1 of 3 allowed in a row)"), states
 
 
 def test_readiness_settles_before_a_restart_counts_as_a_death() -> None:

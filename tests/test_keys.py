@@ -94,7 +94,7 @@ def test_a_policy_given_empty_is_its_rows_defaults(read: Any, keys: tuple[Key[An
 def test_the_shown_defaults_come_from_the_rows() -> None:
     assert shown_mapping(RESTART_KEYS) == "`{delay: 10, burst: 5, interval: 1200}`"
     assert shown_mapping(HEALTH_KEYS) == ("`{path: /health, interval: 5, timeout: 2, "
-                                          "stability: 30, stall_after: 120}`")
+                                          "timeouts: 3, stability: 30, stall_after: 120}`")
     assert GenerationCheck() == GenerationCheck(*(k.default for k in GENERATION_KEYS))
 
 

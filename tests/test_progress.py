@@ -13,11 +13,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw_systemd.health.progress import (
+    STEPPING,
+    STILL,
+    UNKNOWN,
     ProgressReading,
     Verdict,
     keep,
     last_step_at,
     liveness,
+    motion,
 )
 
 Row = tuple[float, float, float] | tuple[float, None]
@@ -126,3 +130,28 @@ def test_keep_bounds_the_history_and_never_changes_the_verdict(
     part = liveness(kept, now=t, stall_after=stall_after, check_failing_since=None)
     # pruning forgets only what is older than stall_after: the verdict stays
     assert part.verdict == whole.verdict, (whole, part)
+
+
+def _read(at: float, steps: float | None) -> ProgressReading:
+    return ProgressReading(at, steps, None if steps is None else 1.0)
+
+
+@pytest.mark.parametrize(("readings", "since", "expected"), [
+    # a move between the last reading before the probe and the first after it counts
+    ([_read(0, 5), _read(10, 9)], 4, STEPPING),
+    ([_read(0, 5), _read(5, 5), _read(10, 7)], 4, STEPPING),
+    # from before to after, the counter still: hung (or idle)
+    ([_read(0, 5), _read(10, 5)], 4, STILL),
+    ([_read(0, 1), _read(2, 5), _read(5, 5), _read(10, 5)], 4, STILL),
+    # a move that ended before the probe began says nothing about it
+    ([_read(0, 1), _read(2, 5)], 4, UNKNOWN),
+    # nothing to compare with: the first reading of a generation, or none after
+    ([_read(5, 5)], 4, UNKNOWN),
+    ([], 4, UNKNOWN),
+    # unreadable metrics are skipped, not taken for a still counter
+    ([_read(0, 5), _read(6, None), _read(8, None)], 4, UNKNOWN),
+    ([_read(0, 5), _read(6, None), _read(8, 6)], 4, STEPPING),
+])
+def test_motion_says_whether_the_engine_stepped_while_a_probe_waited(
+        readings: list[ProgressReading], since: float, expected: str) -> None:
+    assert motion(readings, since=since) == expected

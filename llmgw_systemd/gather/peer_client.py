@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import json
 import math
@@ -261,7 +262,8 @@ async def _connect(host: str, port: int, budget: _Budget) -> socket.socket:
             sock.close()
             raise
         return sock
-    raise PeerError("connect", f"cannot connect to {budget.where}: {_describe(error)}")
+    raise PeerError("connect", f"cannot connect to {budget.where}: {_describe(error)}",
+                    refused=error is not None and error.errno == errno.ECONNREFUSED)
 
 
 async def _resolve(host: str, port: int, budget: _Budget) -> list[tuple[Any, ...]]:

@@ -89,6 +89,12 @@ class PeerEvidence:
     authenticated: bool
     shards: tuple[PeerShard, ...] = ()
     error: str = ""  # non-empty: the fetch failed; shards is then empty
+    # the fetch failed, but the node answered (a connection refused): it is up and its
+    # supervisor is not listening, as while that supervisor restarts
+    refused: bool = False
+    # with an error: the last answer that came through (None: none since this
+    # supervisor started, nor saved before it); judge.held_over
+    last: PeerEvidence | None = None
 
 
 def same_news(before: PeerEvidence | None, after: PeerEvidence) -> bool:
@@ -97,8 +103,9 @@ def same_news(before: PeerEvidence | None, after: PeerEvidence) -> bool:
     with every answer, while when each started, `received_at - up_for`, stays). Such an
     answer only makes the evidence fresher; the judge needs it at its next turn, not at
     once."""
-    if before is None or (before.source, before.authenticated, before.error) != \
-            (after.source, after.authenticated, after.error):
+    if before is None or (before.source, before.authenticated, before.error,
+                          before.refused) != \
+            (after.source, after.authenticated, after.error, after.refused):
         return False
     if len(before.shards) != len(after.shards):
         return False

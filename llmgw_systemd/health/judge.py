@@ -50,7 +50,16 @@ from llmgw_systemd.health.drain import (
 )
 from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
 from llmgw_systemd.health.group_restart import GIVE_UP, NOW, GroupRestartPolicy, decide
-from llmgw_systemd.health.progress import BUSY, STALLED, Liveness, ProgressReading, liveness
+from llmgw_systemd.health.progress import (
+    BUSY,
+    STALLED,
+    STEPPING,
+    STILL,
+    Liveness,
+    ProgressReading,
+    liveness,
+    motion,
+)
 from llmgw_systemd.health.rules import (
     DEGRADED,
     DRAINING,
@@ -86,12 +95,18 @@ class ReplicaPolicy:
     settle: float  # how long a ready replica holds still before its generations count
     group_restart: GroupRestartPolicy = field(default_factory=GroupRestartPolicy)
     require_auth: bool = False  # TLS configured: unauthenticated reports never count
+    # how long a peer's last answer stands while its supervisor refuses connections and
+    # this rank is ready (held_over); 0: not at all
+    peer_grace: float = 0.0
     follows_leader: bool = False  # ranks >= 1 joined rank 0's rendezvous (vLLM, SGLang)
     completion_fresh: float | None = None  # a generation check counts this long; None: off
     stall_after: float = 0  # seconds; 0: no stall detection (no metrics to read, or off)
     # the health probe itself asks for a token (SGLang's /health): while it fails, its
     # request is work owed, as the generation check's is
     health_generates: bool = False
+    # health probes in a row that may time out before a serving rank that answered counts
+    # as down (the spec's health.timeouts; 1: the first); refused, reset, 5xx: at once
+    probe_timeouts: int = 1
     # a follower whose leader's engine started more than this many seconds after its own
     # is a half of a group that is gone (None: off): stop_timeout + settle, so that the
     # two ends of one group restart, stopping at their own pace, never count
@@ -128,6 +143,9 @@ class Memory:
     # when a judgement last said routable: a gateway may still send for drain.delay after
     # (it has not noticed yet), so a drain beginning within that was served all the same
     routable_at: float | None = None
+    # (generation, when the last one counted was taken, how many) health probes in a row
+    # have timed out: slow_probes()
+    slow_probes: tuple[str, float, int] | None = None
 
 
 DEATH, STALL = "death", "stall"
@@ -167,6 +185,46 @@ class Verdict:
     def settled(self) -> bool:
         """Ready long enough that a rank's restart from here on counts as a death."""
         return self.memory.baseline is not None
+
+
+def slow_probes(last: tuple[str, float, int] | None, probe: ProbeEvidence | None,
+                generation: str) -> tuple[str, float, int] | None:
+    """How many health probes in a row have timed out, this one included: None when this
+    one answered or did not time out (refused, reset, 5xx are not slow: they are down)."""
+    if probe is None or probe.ok or not probe.detail.startswith(NO_ANSWER):
+        return None
+    if last is None or last[0] != generation:
+        return (generation, probe.taken_at, 1)
+    if last[1] == probe.taken_at:
+        return last  # the same probe judged again
+    return (generation, probe.taken_at, last[2] + 1)
+
+
+def _slow_probe(policy: ReplicaPolicy, memory: Memory, probe: ProbeEvidence,
+                live: Liveness | None, slow: tuple[str, float, int],
+                readings: Sequence[ProgressReading],
+                ) -> tuple[ProbeEvidence, Liveness | None, Memory]:
+    """Slow is not down: a health probe of a rank that served in this start timed out.
+    While its engine stepped after the probe began, it waits behind real work: busy,
+    never counted (the count starts again). With no step from before the probe began to
+    after it, the engine is hung (or idle, and then nothing excuses a slow answer): down
+    at once. With the metrics saying neither (unreadable: its API server may be frozen,
+    or as saturated as its health endpoint), up to probe_timeouts in a row are tolerated.
+    Returns the probe as judged, the liveness and the memory."""
+    moved = motion(readings, since=probe.taken_at)
+    if moved == STEPPING and (live is None or live.verdict != STALLED):
+        pending = readings[-1].pending or 0
+        why = (f"{pending:.0f} request(s) pending and the engine stepping; the health "
+               "probe waits behind them")
+        return (replace(probe, ok=True, detail=f"slow: {probe.detail} (busy: {why})"),
+                Liveness(BUSY, why), replace(memory, slow_probes=None))
+    if moved == STILL:
+        return (replace(probe, detail=f"{probe.detail}, and no engine step since it "
+                        "began"), live, memory)
+    if slow[2] < policy.probe_timeouts:
+        return (replace(probe, ok=True, detail=f"slow: {probe.detail} ({slow[2]} of "
+                        f"{policy.probe_timeouts} allowed in a row)"), live, memory)
+    return probe, live, memory
 
 
 def _current(evidence: ProbeEvidence | None, generation: str, fresh: float, now: float
@@ -233,13 +291,19 @@ def local_rank(policy: ReplicaPolicy, memory: Memory, local: LocalEvidence | Non
         live = liveness([r for r in progress if r.generation == generation], now=now,
                         stall_after=policy.stall_after,
                         check_failing_since=None if failing is None else failing[1])
+    was_ready = bool(generation) and memory.served == generation
+    slow = slow_probes(memory.slow_probes, valid, generation) if policy.serving else None
+    memory = replace(memory, slow_probes=slow)
+    if valid is not None and slow is not None and was_ready:
+        valid, live, memory = _slow_probe(policy, memory, valid, live, slow, [
+            r for r in progress if r.generation == generation])
+    busy = live is not None and live.verdict == BUSY
     waited = completed is not None and completed.detail.startswith(NO_ANSWER)
-    if live is not None and live.verdict == BUSY and valid is not None and valid.ok and waited:
+    if busy and live is not None and valid is not None and valid.ok and waited:
         # the one-token check waits behind real work: steps running is the evidence
         combined: Probe | None = Probe(True, f"{valid.detail}; busy: {live.reason}")
     else:
         combined = combined_probe(policy, valid, completed)
-    was_ready = bool(generation) and memory.served == generation
     health = shard_health(
         local.target, local.members, serving=policy.serving, probe=combined,
         now_usec=int(now * 1e6), stability_usec=int(policy.stability * 1e6),
@@ -279,11 +343,28 @@ def refused(policy: ReplicaPolicy, seen: PeerEvidence) -> tuple[str, ...]:
         for s in seen.shards if s.replica == policy.name and not counts(policy, seen, s))
 
 
+def held_over(policy: ReplicaPolicy, seen: PeerEvidence, now: float, steady: bool
+              ) -> PeerEvidence | None:
+    """A peer's supervisor restarting is not a dead rank: the last answer that came
+    through from a node whose fetch is refused (the node is up, its supervisor is not
+    listening), while this node's own rank is ready (its engine still in step with the
+    group), for at most peer_grace seconds from that answer. A silent peer (a timeout:
+    the node may be gone), an answer older than that, or this rank not ready: None, and
+    today's rules (docs/supervisor.md, "A peer's supervisor restarting")."""
+    last = seen.last
+    if not (seen.error and seen.refused and steady) or last is None or last.error:
+        return None
+    if now - last.received_at > policy.peer_grace:
+        return None
+    return last
+
+
 def peer_rank(policy: ReplicaPolicy, rank: int, seen: PeerEvidence | None,
-              now: float) -> tuple[RankReport, str, float | None, RankVersion]:
+              now: float, steady: bool = False
+              ) -> tuple[RankReport, str, float | None, RankVersion]:
     """Another node's rank, from that node's own supervisor only: its report, its
     generation, when its engine started (on this node's clock, to the second), and its
-    spec versions."""
+    spec versions. steady: this node's own rank is ready (held_over)."""
     node = policy.nodes[rank]
 
     def unknown(why: str) -> tuple[RankReport, str, float | None, RankVersion]:
@@ -291,19 +372,25 @@ def peer_rank(policy: ReplicaPolicy, rank: int, seen: PeerEvidence | None,
 
     if seen is None:
         return unknown(f"no report yet from the supervisor on {node}")
+    note = ""
     if seen.error:
-        return unknown(f"supervisor on {node} unreachable: {seen.error}")
+        held = held_over(policy, seen, now, steady)
+        if held is None:
+            return unknown(f"supervisor on {node} unreachable: {seen.error}")
+        note = (f" (as reported {now - held.received_at:.0f} s ago; its supervisor is "
+                f"not answering: {seen.error})")
+        seen = held
     if policy.require_auth and not seen.authenticated:
         return unknown(f"report from the supervisor on {node} is not authenticated")
     age = now - seen.received_at
-    if age > policy.peer_fresh:
+    if age > policy.peer_fresh and not note:
         return unknown(f"report from the supervisor on {node} is {age:.0f} s old")
     found = [s for s in seen.shards if s.rank == rank and counts(policy, seen, s)]
     if not found:
         return unknown(f"the supervisor on {node} reports no shard of {policy.name}")
     last = found[-1]
     started = None if last.up_for is None else seen.received_at - last.up_for
-    return (RankReport(rank, node, last.state, last.reason, draining=last.draining,
+    return (RankReport(rank, node, last.state, last.reason + note, draining=last.draining,
                        drained=last.drained), last.generation, started,
             RankVersion(rank, node, last.loaded_digest, last.running_digest))
 
@@ -328,7 +415,8 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
     for rank, node in enumerate(policy.nodes):
         if rank == policy.rank:
             continue
-        report, gen, started, version = peer_rank(policy, rank, peers.get(node), now)
+        report, gen, started, version = peer_rank(policy, rank, peers.get(node), now,
+                                                  steady=mine.state == READY)
         reports.append(report)
         versions.append(version)
         if report.state != UNKNOWN:

@@ -128,6 +128,35 @@ def liveness(readings: Sequence[ProgressReading], *, now: float, stall_after: fl
     return Liveness(PROGRESSING, f"{pending} and the engine stepping")
 
 
+Motion = Literal["stepping", "still", "unknown"]
+STEPPING: Final = "stepping"
+STILL: Final = "still"
+
+
+def motion(readings: Sequence[ProgressReading], *, since: float) -> Motion:
+    """Whether the engine stepped while a probe that began at `since` waited (readings of
+    one generation, oldest first): what tells a saturated engine (its health endpoint
+    slow behind real work) from a hung one.
+
+    - stepping: the step counter moved between two readings, the later taken at or after
+      `since` (so read after the probe began);
+    - still: readings from before `since` to after it, and the counter never moved;
+    - unknown: no reading since `since`, or none before it to compare with.
+
+    The first reading taken after `since` compares with the last one before it, so a
+    step taken just before the probe began may count: a freeze shows as still from the
+    next probe whose window holds two readings taken after it (docs/supervisor.md,
+    "Slow is not down")."""
+    readable = [r for r in readings if r.readable]
+    window = [*[r for r in readable if r.taken_at < since][-1:],
+              *[r for r in readable if r.taken_at >= since]]
+    if len(window) < 2 or window[-1].taken_at < since:
+        return UNKNOWN
+    if any(later.steps != earlier.steps for earlier, later in zip(window, window[1:])):
+        return STEPPING
+    return STILL
+
+
 def keep(readings: Sequence[ProgressReading], *, now: float,
          stall_after: float) -> tuple[ProgressReading, ...]:
     """What a verdict needs of the history: the readings of the last stall_after

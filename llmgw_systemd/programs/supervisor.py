@@ -46,6 +46,12 @@ from llmgw_systemd.supervisor.config import SupervisorConfig
               default=SupervisorConfig.peer_timeout,
               show_default=True, metavar="SECONDS",
               help="Bound on a peer fetch beyond its long-poll wait (connect, TLS, body).")
+@click.option("--peer-grace", type=click.FloatRange(0, 600),
+              default=SupervisorConfig.peer_grace,
+              show_default=True, metavar="SECONDS",
+              help="How long a peer's last answer stands while its node refuses "
+                   "connections (its supervisor restarting) and this node's rank is ready; "
+                   "0: not at all.")
 @VERSION_OPTION
 def supervisor_command(specs: tuple[str, ...], **options: Any) -> None:
     """Watch this node's shards through systemd, judge replica health with the peer

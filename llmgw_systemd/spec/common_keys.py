@@ -281,7 +281,11 @@ HEALTH = Key("health", read_health, HealthCheck(),
              "metrics: vLLM's, SGLang's with `--enable-metrics`, a command engine's "
              "`progress`) restarts the replica as a group; one still stepping while the "
              "one-token check times out behind real work stays ready, `busy` "
-             "(docs/supervisor.md, \"Stalls\").", shown=shown_mapping(HEALTH_KEYS))
+             "(docs/supervisor.md, \"Stalls\"). `timeouts`: health probes in a row that "
+             "may time out before a serving rank that answered counts as down when its "
+             "metrics cannot tell; one refused, reset or 5xx counts at once, one slow "
+             "while its engine took no step counts at once, and one slow while its engine "
+             "stepped never counts (`busy`: docs/supervisor.md, \"Slow is not down\").", shown=shown_mapping(HEALTH_KEYS))
 
 COMMON_KEYS: tuple[Key[Any], ...] = (
     NAME, ENGINE, ENABLE, NODES, RENDEZVOUS_TIMEOUT, PORT_RELEASE_TIMEOUT, GPUS, ENV,

@@ -117,6 +117,11 @@ HEALTH_KEYS = (
     Key("path", read_probe_path, "/health", "the serving rank's health endpoint"),
     Key("interval", seconds(1, 3600, "seconds between probes"), 5, "seconds between probes"),
     Key("timeout", seconds(1, 600, "a probe timeout in seconds"), 2, "a probe's timeout"),
+    Key("timeouts", integer(1, 100, "a count of probes"), 3,
+        "probes in a row that time out before a serving rank that answered counts as down "
+        "when its metrics cannot tell (one refused, reset or 5xx is enough, and so is one "
+        "slow while its engine took no step; one slow while its engine stepped never "
+        "counts: busy, not down)"),
     Key("stability", seconds(0, 86400, "seconds a non-serving rank must stay up"), 30,
         "seconds a non-serving rank must stay up to count as ready"),
     Key("generation", read_generation, None, "the one-token completion check"),
@@ -125,7 +130,8 @@ HEALTH_KEYS = (
         "metrics) before the replica counts as stalled and restarts as a group; also how "
         "long a failing generation check with the metrics unreadable may last. 0: off"),
 )
-_PATH, _H_INTERVAL, _H_TIMEOUT, _STABILITY, _GENERATION, _STALL_AFTER = HEALTH_KEYS
+(_PATH, _H_INTERVAL, _H_TIMEOUT, _H_TIMEOUTS, _STABILITY, _GENERATION,
+ _STALL_AFTER) = HEALTH_KEYS
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,7 @@ class HealthCheck:
     path: str = _PATH.default
     interval: int = _H_INTERVAL.default
     timeout: int = _H_TIMEOUT.default
+    timeouts: int = _H_TIMEOUTS.default  # slow is not down: health/judge.py, slow_probe
     stability: int = _STABILITY.default
     generation: GenerationCheck | None = _GENERATION.default
     stall_after: int = _STALL_AFTER.default  # 0: off (health/progress.py)

@@ -26,6 +26,10 @@ class SupervisorConfig:
     reconcile_interval: float = 5.0  # the slow timer; signals trigger sooner
     peer_wait: float = 2.0  # long-poll: a peer answers at least this often
     peer_timeout: float = 2.0  # beyond the wait: connect, TLS, headers and body
+    # a peer whose supervisor refuses connections (restarting) keeps its last answer
+    # this long while this node's rank is ready (docs/supervisor.md): a restart of a
+    # loaded node's supervisor, with its first answer, takes a few seconds
+    peer_grace: float = 20.0
     peer_max_bytes: int = 1 << 20
     dbus_timeout: float = 5.0
     max_connections: int = 4096

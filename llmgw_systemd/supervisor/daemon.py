@@ -60,7 +60,7 @@ from llmgw_systemd.spec.endpoint import local_address
 from llmgw_systemd.spec.files import read_each, spec_files
 from llmgw_systemd.spec.model import Spec
 from llmgw_systemd.spec.replicas import collect_spec, keep_last_good
-from llmgw_systemd.supervisor import drain_requests
+from llmgw_systemd.supervisor import drain_requests, saved_evidence
 from llmgw_systemd.supervisor.config import SupervisorConfig
 from llmgw_systemd.supervisor.http import api
 from llmgw_systemd.supervisor.http.metrics import (
@@ -250,7 +250,7 @@ class PeerFetcher(Task):
                     sup.limited_log(f"peer:{self.node}:{exc.kind}",
                                     f"peer {self.node} ({self.address}): {exc}")
                     sup.add_peer(PeerEvidence(self.node, time.monotonic(), False,
-                                              error=str(exc)))
+                                              error=str(exc), refused=exc.refused))
                     # back off, bounded: a dead peer costs one attempt every few seconds
                     await asyncio.sleep(min(0.25 * 2 ** min(failures, 5), 5.0))
                     continue
@@ -300,6 +300,8 @@ class Supervisor:
         # recorded at the first sight of each start; persisted, pruned to live starts
         self.started_with: dict[str, str] = {}
         self.saved_started_with: dict[str, str] = {}
+        # replica -> the generation its serving rank answered in, saved at the last stop
+        self.saved_served: dict[str, str] = {}
         self.probers: dict[tuple[str, str], Prober] = {}
         self.fetchers: dict[tuple[str, str], PeerFetcher] = {}
         self.changes = Changes()
@@ -365,7 +367,8 @@ class Supervisor:
         for gone in set(self.views) - names:
             del self.views[gone]
         for name in names - set(self.memory):
-            self.memory[name] = Memory(restarts=self._restarts_from_disk(name))
+            self.memory[name] = Memory(restarts=self._restarts_from_disk(name),
+                                       served=self.saved_served.pop(name, None))
         self._sync_tasks()
         with self.lock:
             peers = {node for node, _ in self.fetchers}
@@ -388,6 +391,7 @@ class Supervisor:
             # the next one starts an interval after that and may take a timeout too.
             probe_fresh=check.interval + 2 * check.timeout + 1.0,
             peer_fresh=config.peer_wait + config.peer_timeout + 1.0,
+            peer_grace=config.peer_grace,
             settle=settle,
             rejoin_after=(replica.stop_timeout + settle
                           if replica.engine.follows_leader(len(replica.nodes)) else None),
@@ -401,7 +405,8 @@ class Supervisor:
                               if check.generation is not None else None),
             stall_after=float(check.stall_after) if _reads_progress(shard) else 0.0,
             health_generates=(replica.http is not None
-                              and check.path in replica.http.generating_paths))
+                              and check.path in replica.http.generating_paths),
+            probe_timeouts=check.timeouts)
 
     def _sync_tasks(self) -> None:
         """One prober per serving shard and kind, one fetcher per peer node: tasks on the
@@ -429,6 +434,49 @@ class Supervisor:
             self.fetchers[(node, address)].start()
 
     # -- durable state -------------------------------------------------------------------
+
+    def _restore_evidence(self) -> None:
+        """Start from what the last supervisor of this boot knew when it stopped
+        (saved_evidence): its probes, as taken and marked saved; the generations its
+        serving ranks answered in; each peer's last answer, standing within the peer
+        grace until that peer answers (judge.held_over)."""
+        now = time.monotonic()
+        saved, warning = saved_evidence.take(self.config.state_dir, now)
+        if warning:
+            log(warning)
+        if saved is None:
+            return
+        with self.lock:
+            for (replica, kind), probe in saved.probes.items():
+                marked = replace(probe, detail=saved_evidence.SAVED + probe.detail.removeprefix(
+                    saved_evidence.SAVED))
+                if kind == GENERATION:
+                    self.completions[replica] = marked
+                elif kind == HEALTH:
+                    self.probes[replica] = marked
+            for node, answer in saved.peers.items():
+                self.peers[node] = PeerEvidence(
+                    node, now, False, error="no answer yet since this supervisor started",
+                    refused=True, last=answer)
+        self.saved_served = dict(saved.served)
+        log(f"starting from the evidence saved at the last stop: {len(saved.probes)} "
+            f"probe(s), {len(saved.peers)} peer(s)")
+
+    def _save_evidence(self) -> None:
+        """What this supervisor knew, for the next one (saved_evidence); a failure to
+        write is logged, never in the way of the stop."""
+        with self.lock:
+            probes = {**{(r, HEALTH): p for r, p in self.probes.items()},
+                      **{(r, GENERATION): p for r, p in self.completions.items()}}
+            peers = {node: (p.last if p.error else p) for node, p in self.peers.items()}
+        served = {name: m.served for name, m in list(self.memory.items()) if m.served}
+        record = saved_evidence.SavedEvidence(
+            saved_evidence.boot_id(), probes, served,
+            {node: p for node, p in peers.items() if p is not None and not p.error})
+        try:
+            saved_evidence.save(self.config.state_dir, record)
+        except StateError as exc:
+            log(f"warning: {exc}")
 
     def _restarts_from_disk(self, name: str) -> tuple[float, ...]:
         offset = time.monotonic() - time.time()  # wall-clock -> monotonic
@@ -503,6 +551,9 @@ class Supervisor:
                     self.journal.send(replace(event, message=event.message + said))
         with self.lock:
             before = self.peers.get(evidence.source)
+            if evidence.error and before is not None:
+                # a failure keeps the last answer that came through (judge.held_over)
+                evidence = replace(evidence, last=before.last if before.error else before)
             self.peers[evidence.source] = evidence
         # an answer that says what the last one said only makes it fresher: the judge
         # needs it at its next turn, not now (at 64 nodes, 32 wake-ups a second)
@@ -519,6 +570,7 @@ class Supervisor:
         self.saved_started_with = dict(self.started_with)
         if warning:
             log(warning)
+        self._restore_evidence()
         self.runtime.start()
         self.load_spec()
         self.load_requests()
@@ -548,6 +600,7 @@ class Supervisor:
         for server in self.servers.values():
             server.stop()
         self.runtime.stop()  # every task: probers, fetchers, the watchdog, connections
+        self._save_evidence()
         self.bus.close()
         self.journal.close()
 

@@ -5,6 +5,8 @@
 - which spec version each engine start began with (health/versions.py): a daemon-reload
   changes what systemd says of a unit, never what its running process was started
   with, so a supervisor restarted in the middle of a roll must not forget it.
+(The evidence a stopping supervisor leaves for the next, on the monotonic clock of one
+boot, is saved_evidence.py's.)
 
 Stored as JSON in the state directory (systemd's StateDirectory=), written atomically
 (temporary file, fsync, rename, fsync of the directory). Times are wall-clock seconds,
@@ -31,7 +33,7 @@ def state_path(directory: str) -> str:
     return os.path.join(directory, FILE_NAME)
 
 
-def _load(directory: str, file_name: str, key: str, what: str
+def load_record(directory: str, file_name: str, key: str, what: str
           ) -> tuple[dict[object, object] | None, str]:
     """The mapping under `key` in a format FORMAT state file, or None and a warning
     ("" for a missing file, an empty record)."""
@@ -49,7 +51,7 @@ def _load(directory: str, file_name: str, key: str, what: str
     return found, ""
 
 
-def _save(directory: str, file_name: str, key: str, record: object) -> None:
+def save_record(directory: str, file_name: str, key: str, record: object) -> None:
     """Replace a state file atomically: a crash leaves the old file or the new one."""
     body = json.dumps({"format": FORMAT, key: record}, indent=1).encode()
     try:
@@ -62,7 +64,7 @@ def _save(directory: str, file_name: str, key: str, record: object) -> None:
 def load_restarts(directory: str) -> tuple[dict[str, tuple[float, ...]], str]:
     """The recorded restart times per replica, and a warning ("" if none). A missing
     file is an empty record; an unreadable one is reported and treated as empty."""
-    restarts, warning = _load(directory, FILE_NAME, "restarts", "group restarts")
+    restarts, warning = load_record(directory, FILE_NAME, "restarts", "group restarts")
     out: dict[str, tuple[float, ...]] = {}
     for name, times in (restarts or {}).items():
         if isinstance(name, str) and isinstance(times, list) and all(
@@ -72,7 +74,7 @@ def load_restarts(directory: str) -> tuple[dict[str, tuple[float, ...]], str]:
 
 
 def save_restarts(directory: str, restarts: Mapping[str, tuple[float, ...]]) -> None:
-    _save(directory, FILE_NAME, "restarts", {
+    save_record(directory, FILE_NAME, "restarts", {
         name: list(times[-MAX_TIMES:]) for name, times in sorted(restarts.items())})
 
 
@@ -83,14 +85,14 @@ MAX_VERSIONS = 10_000  # engine starts remembered; far more than the shards of a
 def load_versions(directory: str) -> tuple[dict[str, str], str]:
     """The spec version each recorded engine start began with (InvocationID -> digest),
     and a warning ("" if none); an unreadable file is reported and treated as empty."""
-    starts, warning = _load(directory, VERSIONS_FILE, "starts", "spec versions")
+    starts, warning = load_record(directory, VERSIONS_FILE, "starts", "spec versions")
     return {k: v for k, v in list((starts or {}).items())[-MAX_VERSIONS:]
             if isinstance(k, str) and isinstance(v, str)}, warning
 
 
 def save_versions(directory: str, starts: Mapping[str, str]) -> None:
     """Replace the record (the caller keeps only the starts still running)."""
-    _save(directory, VERSIONS_FILE, "starts", dict(sorted(starts.items())))
+    save_record(directory, VERSIONS_FILE, "starts", dict(sorted(starts.items())))
 
 def write_atomically(directory: str, name: str, body: bytes, *, dir_mode: int = 0o700,
                      file_mode: int = 0o600) -> str:
