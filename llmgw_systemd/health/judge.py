@@ -8,8 +8,12 @@ carries out the actions; nothing here reads a clock or a socket.
 
 Rules (docs/supervisor.md):
 - Evidence expires. A probe counts only for the shard generation it was taken for and
-  for `probe_fresh` seconds; a peer's report for `peer_fresh` seconds. "Ready" needs
-  fresh evidence for every rank.
+  for `probe_fresh` seconds; a peer's report for `peer_fresh` seconds, or, while that
+  peer refuses connections (its supervisor restarting) and this rank is ready, for
+  `peer_grace` seconds (held_over). "Ready" needs fresh evidence for every rank.
+- Slow is not down (_slow_probe): a health probe that timed out on a rank that served
+  counts at once only when the engine took no step while it waited; while it stepped,
+  the rank is busy; when its metrics cannot tell, `probe_timeouts` in a row count.
 - A rank's report counts only when it comes from the node the spec assigns to that rank
   (and, with TLS, only when that node proved who it is). Anything else is ignored and
   counted, never believed.

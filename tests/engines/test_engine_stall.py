@@ -23,6 +23,9 @@ every scenario in turn (a start of TP=2 costs a minute of these two cores):
   port free;
 - one node: vLLM's engine core process alone frozen, its API server answering /health
   200: restarted as a stall.
+- one node, no generation check: vLLM's API server process frozen, its health endpoint
+  and metrics timing out alike: out of rotation once `health.timeouts` probes in a row
+  have timed out, never ready over a failed completion after that, ready once thawed.
 
 Times here are the test's bounds, never asserted figures: bench/stall.py measures."""
 
@@ -399,3 +402,60 @@ def test_a_frozen_engine_core_behind_a_live_api_server_is_restarted(
 def health_status(manager: UserManager, base: str) -> int:
     status, _ = ApiReader(manager, "node", base).get("/health", timeout=3)
     return status
+
+
+# Slow is not down (docs/supervisor.md): with no generation check and the metrics as
+# silent as the health endpoint, a rank that served stays ready through TIMEOUTS probes in
+# a row that time out. A probe begins `interval` after the last one ended, so the last of
+# them ends within TIMEOUTS x (interval + timeout) of the fault, plus the judge's turn.
+TIMEOUTS = 3
+
+
+def frozen_api_spec(http: int) -> str:
+    return single_spec(http).replace(
+        f"""    health: {{interval: 1, timeout: 2, stability: 5, stall_after: {STALL_AFTER},
+              generation: {{interval: {CHECK["interval"]}, timeout: {CHECK["timeout"]}}}}}
+""", f"""    health: {{interval: 1, timeout: 2, timeouts: {TIMEOUTS}, stability: 5,
+              stall_after: {STALL_AFTER}}}
+""")
+
+
+def test_a_frozen_api_server_leaves_rotation_within_its_timeouts(
+        one_node: UserManager, tmp_path: Path) -> None:
+    """vLLM's API server process frozen (SIGSTOP; its engine core runs on): its health
+    endpoint and its metrics time out alike, so nothing tells slow from hung, and the
+    rank is taken out once `timeouts` probes in a row have timed out: never ready over a
+    failed completion after that bound; ready again once it is thawed."""
+    assert_engines()
+    http = free_port()
+    spec = write(tmp_path / "spec.yaml", frozen_api_spec(http))
+    assert f"timeouts: {TIMEOUTS}" in spec.read_text()
+    one_node.render(spec, "node")
+    base = f"http://127.0.0.1:{http}"
+    sup = SupervisorProcess(one_node, "node", spec, listen=f"127.0.0.1:{free_port()}")
+    try:
+        one_node.systemctl("start", TARGET)
+        wait_until(lambda: complete(one_node, base) == 200, 300, "a first completion",
+                   interval=1)
+        sup.wait_state("tiny", "ready", 60)
+        api = int(one_node.show(ENGINE, "MainPID")["MainPID"])
+        assert "EngineCore" not in cmdline(api), cmdline(api)
+        sampler = said_by(sup)
+        with sampler, Completions(one_node, base) as answers:
+            frozen = time.monotonic()
+            os.kill(api, signal.SIGSTOP)
+            try:
+                sup.wait_state("tiny", "degraded", 60, reason="no answer within")
+                out = time.monotonic() - frozen
+            finally:
+                os.kill(api, signal.SIGCONT)
+            serving_again(one_node, answers, [sampler], frozen, "serving again")
+        notice = TIMEOUTS * (1 + 2) + 3
+        assert_truthful(sampler.seen, answers.seen, frozen, notice=notice)
+        figure(f"frozen API server: out of rotation {out:.1f} s after the freeze "
+               f"(bound {notice} s)")
+        one_node.systemctl("stop", TARGET)
+        assert not manager_pids(one_node), "processes left behind"
+    finally:
+        sup.stop()
+        print(f"===== supervisor log\n{sup.tail(8000)}")

@@ -1,11 +1,13 @@
 """Stand-in for a serving engine that drains on SIGTERM, as vLLM does with
 --shutdown-timeout: the drain tests' engine.
 
-    completion_server.py --port P [--host H] [--delay SECONDS]
+    completion_server.py --port P [--host H] [--delay SECONDS] [--slow-health SECONDS]
 
 - POST /v1/completions: answered after --delay seconds with an OpenAI-style JSON body
   (`usage.completion_tokens` = the request's max_tokens);
-- GET /health: 200;
+- GET /health: 200 (after --slow-health seconds while SIGUSR2 has made it slow: a
+  saturated engine's health endpoint, its requests and metrics answering on; a second
+  SIGUSR2 makes it fast again);
 - GET /metrics: completion_steps_total (one per answered request) and
   completion_running (requests in flight), for the spec's `progress`;
 - SIGTERM: stops accepting at once (the listening socket is closed: a new connection is
@@ -34,6 +36,7 @@ class Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], delay: float) -> None:
         super().__init__(address, Handler)
         self.delay = delay
+        self.health_delay = 0.0  # SIGUSR2 toggles it with --slow-health
         self.lock = threading.Lock()
         self.running = 0
         self.steps = 0
@@ -54,6 +57,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/health":
+            time.sleep(self.server.health_delay)
             self._send(b"")
         elif self.path == "/metrics":
             with self.server.lock:
@@ -95,18 +99,22 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--delay", type=float, default=0.5)
+    parser.add_argument("--slow-health", type=float, default=5.0)
     args = parser.parse_args()
     server = Server((args.host, args.port), args.delay)
     # The signals are blocked before any thread starts (threads inherit the mask) and taken
     # with sigwait(): with a Python handler, a SIGTERM the kernel hands to a request's
     # thread runs the handler only once the main thread next runs Python code, and a main
     # thread blocked in Event.wait() never did (a CI run: no drain, SIGKILL 22 s later).
-    signals = {signal.SIGTERM, signal.SIGUSR1}
+    signals = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     loop = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
     loop.start()
     print(f"serving HTTP on {args.host}:{args.port}", flush=True)
-    if signal.sigwait(signals) == signal.SIGUSR1:
+    while (taken := signal.sigwait(signals)) == signal.SIGUSR2:
+        server.health_delay = 0.0 if server.health_delay else args.slow_health
+        print(f"health answers after {server.health_delay:g} s", flush=True)
+    if taken == signal.SIGUSR1:
         os._exit(0)
     with server.lock:
         running = server.running

@@ -1,0 +1,160 @@
+"""Benchmark slow is not down (docs/supervisor.md, "Slow is not down"): what a load
+balancer sees of saturated replicas, under today's rules and a baseline revision's, in
+the same run on the same engines.
+
+The harness of tests/engines/test_engine_drain.py: the real vLLM (CPU build) from
+scripts/setup-engines, `one` (one node) and `tp` (mp, tensor parallel over two network
+namespaces, each with its own systemd user manager), one at a time (two at once starve
+the one with two processes: not a step in seconds, which is not busy), beside the
+stand-in `standby`; eight clients of 64-token
+completions through a real HAProxy configured from docs/loadbalancer.md, whose checks
+ask today's supervisors. Beside them, each node runs the supervisors of the baseline
+revision (--baseline, a git ref; default: the commit before this issue's rules) on
+another port, checked by a second real HAProxy with the same configuration that carries
+no traffic, so both sets of rules judge the same engines under the same load at the same
+moments.
+
+For each health.timeout in --timeouts, over --seconds of load: per set of rules and
+replica, how often HAProxy took it out of rotation (flips per hour) and for how long in
+all; the requests and how many failed (they go to today's HAProxy only).
+
+Needs root and the engine cache (bash scripts/setup-engines). Run:
+    .venv/bin/python bench/saturation.py [--seconds 300] [--timeouts 1,2] [--baseline REF]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests" / d) for d in ("", "support", "integration", "engines")]
+
+import test_engine_drain as scenario  # noqa: E402
+from loadbalancer import HAProxy, Sampler, Server, Traffic, summary, transitions  # noqa: E402
+from realengine import VLLM_VERSION, assert_engines  # noqa: E402
+from specs import free_port  # noqa: E402
+from supervisors import SUPERVISOR, SupervisorProcess, stop_and_show  # noqa: E402
+from systemd_harness import two_node_network  # noqa: E402
+
+CLIENTS = 2 * scenario.CLIENTS
+_MAIN = ("import sys; sys.argv[0] = 'llmgw-supervisor'; "
+         "from llmgw_systemd.cli import supervisor_main; supervisor_main()")
+
+
+class BaselineSupervisor(SupervisorProcess):
+    """llmgw-supervisor as it was at the baseline: its package extracted into `code`,
+    run with this venv's interpreter (and libraries) from that folder, so that nothing
+    of today's package is imported."""
+
+    def __init__(self, code: Path, *args: object, **kwargs: object) -> None:
+        self.code = code
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def argv(self) -> list[str]:
+        argv = super().argv()
+        at = argv.index(SUPERVISOR)
+        argv[at:at + 1] = ["env", "-C", str(self.code), f"PYTHONPATH={self.code}",
+                           sys.executable, "-c", _MAIN]
+        return argv
+
+
+def baseline_tree(ref: str, into: Path) -> Path:
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "llmgw_systemd"],
+                             capture_output=True, check=True, timeout=60).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True, timeout=60)
+    return into
+
+
+def out_of_rotation(samples: list[tuple[float, frozenset[str] | None]], server: str
+                    ) -> tuple[int, float]:
+    """(times taken out, seconds out in all) of `server` over the samples."""
+    changes = transitions(samples, server)
+    flips, out = 0, 0.0
+    ends = [*changes[1:], (samples[-1][0], True)]
+    for (at, up), (after, _) in zip(changes, ends):
+        if not up:
+            out += after - at
+    for (_, before), (_, now) in zip(changes, changes[1:]):
+        flips += before and not now
+    return flips, out
+
+
+def measure(cluster: scenario.Cluster, old_lb: HAProxy, original: str, replica: str,
+            timeout: int, seconds: float, baseline: str) -> None:
+    text = original.replace("interval: 1, timeout: 2, stability",
+                            f"interval: 1, timeout: {timeout}, stability")
+    assert text.count(f"timeout: {timeout}, stability") == 3, "spec shape"
+    cluster.spec.write_text(text)
+    time.sleep(8)  # every supervisor reads the spec again (its mtime)
+    traffic = Traffic(cluster.lb.url, clients=CLIENTS, seconds=seconds, max_tokens=64,
+                      timeout=120, netns=cluster.hub)
+    with Sampler(cluster.lb, 0.25, seconds + 300) as now, \
+            Sampler(old_lb, 0.25, seconds + 300) as before, traffic:
+        pass
+    hours = seconds / 3600
+    print(f"{replica}, health.timeout {timeout} s, {seconds:.0f} s of load: "
+          f"{summary(traffic.requests)}")
+    for name, sampler in ((f"baseline {baseline}", before), ("today", now)):
+        flips, out = out_of_rotation(list(sampler.samples), replica)
+        print(f"  {name:>18}: {flips / hours:7.1f} flips/hour ({flips} in {seconds:.0f} s), "
+              f"{out:6.1f} s out of rotation, {len(sampler.samples)} samples", flush=True)
+
+
+def run(seconds: float, timeouts: list[int], replicas: list[str], baseline: str,
+        tmp: Path) -> None:
+    code = baseline_tree(baseline, tmp / "baseline")
+    tag = f"{os.getpid() % 10000}s"
+    with two_node_network("llmgw-bench", tag, tmp) as nodes, \
+            scenario.running(nodes, tmp / "cluster") as cluster:
+        port = free_port()
+        old = [BaselineSupervisor(code, nodes[n], n, cluster.spec,
+                                  listen=f"{a}:{port}", state_dir=tmp / f"old-{n}",
+                                  extra=["--peer-port", str(port),
+                                         "--local", f"127.0.0.1:{free_port()}"])
+               for n, a in scenario.ADDRESS.items()]
+        old_lb: HAProxy | None = None
+        try:
+            servers = [Server(r, scenario.ADDRESS[n[0]], cluster.ports[r],
+                              scenario.ADDRESS[n[0]], port, n[0])
+                       for r, n in scenario.NODES.items()]
+            old_lb = HAProxy(tmp / "lb-old", servers, netns=cluster.hub,
+                             port=8081).start(timeout=30)
+            original = cluster.spec.read_text()
+            for replica in replicas:
+                cluster.serving(replica)  # and no other vLLM replica: it would starve
+                for lb in (cluster.lb, old_lb):
+                    lb.wait_until_up(replica, timeout=120)
+                for timeout in timeouts:
+                    measure(cluster, old_lb, original, replica, timeout, seconds, baseline)
+        finally:
+            if old_lb is not None:
+                old_lb.stop()
+            stop_and_show(old)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=300, help="of load per timeout")
+    parser.add_argument("--timeouts", default="1,2", help="health.timeout values, seconds")
+    parser.add_argument("--baseline", default="631b056", help="a git ref of this repository")
+    parser.add_argument("--replicas", default="tp,one", help="measured one at a time")
+    args = parser.parse_args()
+    assert os.geteuid() == 0, "needs root (network namespaces, user managers)"
+    assert_engines()
+    print(f"vLLM {VLLM_VERSION} (CPU), {os.cpu_count()} CPUs, {CLIENTS} clients through "
+          f"HAProxy, one vLLM replica at a time beside the stand-in, health interval 1 s")
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-saturation-") as tmp:
+        run(args.seconds, [int(t) for t in args.timeouts.split(",")],
+            args.replicas.split(","), args.baseline, Path(tmp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
