@@ -4,9 +4,9 @@ the same run on the same engines.
 
 The harness of tests/engines/test_engine_drain.py: the real vLLM (CPU build) from
 scripts/setup-engines, `one` (one node) and `tp` (mp, tensor parallel over two network
-namespaces, each with its own systemd user manager), one at a time (two at once starve
-the one with two processes: not a step in seconds, which is not busy), beside the
-stand-in `standby`; eight clients of 64-token
+namespaces, each with its own systemd user manager), one at a time or together (issue
+40's layout; then `tp`'s two processes, sharing two cores with `one`, can go seconds
+without a step, which is not busy), beside the stand-in `standby`; eight clients of 64-token
 completions through a real HAProxy configured from docs/loadbalancer.md, whose checks
 ask today's supervisors. Beside them, each node runs the supervisors of the baseline
 revision (--baseline, a git ref; default: the commit before this issue's rules) on
@@ -25,6 +25,7 @@ Needs root and the engine cache (bash scripts/setup-engines). Run:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from loadbalancer import HAProxy, Sampler, Server, Traffic, summary, transitions
 from realengine import VLLM_VERSION, assert_engines  # noqa: E402
 from specs import free_port  # noqa: E402
 from supervisors import SUPERVISOR, SupervisorProcess, stop_and_show  # noqa: E402
-from systemd_harness import two_node_network  # noqa: E402
+from systemd_harness import two_node_network, wait_until  # noqa: E402
 
 CLIENTS = 2 * scenario.CLIENTS
 _MAIN = ("import sys; sys.argv[0] = 'llmgw-supervisor'; "
@@ -86,29 +87,32 @@ def out_of_rotation(samples: list[tuple[float, frozenset[str] | None]], server: 
     return flips, out
 
 
-def measure(cluster: scenario.Cluster, old_lb: HAProxy, original: str, replica: str,
-            timeout: int, seconds: float, baseline: str) -> None:
+def measure(cluster: scenario.Cluster, old_lb: HAProxy, original: str,
+            replicas: list[str], timeout: int, seconds: float, clients: int,
+            baseline: str) -> None:
     text = original.replace("interval: 1, timeout: 2, stability",
                             f"interval: 1, timeout: {timeout}, stability")
     assert text.count(f"timeout: {timeout}, stability") == 3, "spec shape"
     cluster.spec.write_text(text)
     time.sleep(8)  # every supervisor reads the spec again (its mtime)
-    traffic = Traffic(cluster.lb.url, clients=CLIENTS, seconds=seconds, max_tokens=64,
+    traffic = Traffic(cluster.lb.url, clients=clients, seconds=seconds, max_tokens=64,
                       timeout=120, netns=cluster.hub)
     with Sampler(cluster.lb, 0.25, seconds + 300) as now, \
             Sampler(old_lb, 0.25, seconds + 300) as before, traffic:
         pass
     hours = seconds / 3600
-    print(f"{replica}, health.timeout {timeout} s, {seconds:.0f} s of load: "
-          f"{summary(traffic.requests)}")
-    for name, sampler in ((f"baseline {baseline}", before), ("today", now)):
-        flips, out = out_of_rotation(list(sampler.samples), replica)
-        print(f"  {name:>18}: {flips / hours:7.1f} flips/hour ({flips} in {seconds:.0f} s), "
-              f"{out:6.1f} s out of rotation, {len(sampler.samples)} samples", flush=True)
+    print(f"{' + '.join(replicas)} serving, health.timeout {timeout} s, {seconds:.0f} s of "
+          f"{clients} clients: {summary(traffic.requests)}")
+    for replica in replicas:
+        for name, sampler in ((f"baseline {baseline}", before), ("today", now)):
+            flips, out = out_of_rotation(list(sampler.samples), replica)
+            print(f"  {replica:>4} {name:>18}: {flips / hours:7.1f} flips/hour ({flips} in "
+                  f"{seconds:.0f} s), {out:6.1f} s out of rotation, "
+                  f"{len(sampler.samples)} samples", flush=True)
 
 
-def run(seconds: float, timeouts: list[int], replicas: list[str], baseline: str,
-        tmp: Path) -> None:
+def run(seconds: float, timeouts: list[int], layouts: list[list[str]], clients: int,
+        baseline: str, tmp: Path) -> None:
     code = baseline_tree(baseline, tmp / "baseline")
     tag = f"{os.getpid() % 10000}s"
     with two_node_network("llmgw-bench", tag, tmp) as nodes, \
@@ -127,12 +131,18 @@ def run(seconds: float, timeouts: list[int], replicas: list[str], baseline: str,
             old_lb = HAProxy(tmp / "lb-old", servers, netns=cluster.hub,
                              port=8081).start(timeout=30)
             original = cluster.spec.read_text()
-            for replica in replicas:
-                cluster.serving(replica)  # and no other vLLM replica: it would starve
+            for replicas in layouts:
+                cluster.serving(replicas[0])  # and no other vLLM replica
+                for other in replicas[1:]:
+                    nodes["node-a"].systemctl("start", f"llmgw-{other}.target")
+                    wait_until(functools.partial(cluster.completes, other), scenario.BACK,
+                               f"{other} to complete", interval=1)
                 for lb in (cluster.lb, old_lb):
-                    lb.wait_until_up(replica, timeout=120)
+                    for replica in replicas:
+                        lb.wait_until_up(replica, timeout=120)
                 for timeout in timeouts:
-                    measure(cluster, old_lb, original, replica, timeout, seconds, baseline)
+                    measure(cluster, old_lb, original, replicas, timeout, seconds, clients,
+                            baseline)
         finally:
             if old_lb is not None:
                 old_lb.stop()
@@ -144,15 +154,18 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=300, help="of load per timeout")
     parser.add_argument("--timeouts", default="1,2", help="health.timeout values, seconds")
     parser.add_argument("--baseline", default="631b056", help="a git ref of this repository")
-    parser.add_argument("--replicas", default="tp,one", help="measured one at a time")
+    parser.add_argument("--layouts", default="tp,one,one+tp",
+                        help="what serves, in turn: a replica, or several joined by +")
+    parser.add_argument("--clients", type=int, default=CLIENTS)
     args = parser.parse_args()
     assert os.geteuid() == 0, "needs root (network namespaces, user managers)"
     assert_engines()
-    print(f"vLLM {VLLM_VERSION} (CPU), {os.cpu_count()} CPUs, {CLIENTS} clients through "
-          f"HAProxy, one vLLM replica at a time beside the stand-in, health interval 1 s")
+    print(f"vLLM {VLLM_VERSION} (CPU), {os.cpu_count()} CPUs, {args.clients} clients "
+          f"through HAProxy, beside the stand-in, health interval 1 s")
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-saturation-") as tmp:
         run(args.seconds, [int(t) for t in args.timeouts.split(",")],
-            args.replicas.split(","), args.baseline, Path(tmp))
+            [layout.split("+") for layout in args.layouts.split(",")], args.clients,
+            args.baseline, Path(tmp))
     return 0
 
 

@@ -447,6 +447,9 @@ def test_a_frozen_api_server_leaves_rotation_within_its_timeouts(
             try:
                 sup.wait_state("tiny", "degraded", 60, reason="no answer within")
                 out = time.monotonic() - frozen
+                wait_until(lambda: any(t > frozen and s != 200 for t, _, s in answers.seen),
+                           60, "completions to fail while the API server is frozen")
+                time.sleep(3)  # the word while frozen, sampled a while
             finally:
                 os.kill(api, signal.SIGCONT)
             serving_again(one_node, answers, [sampler], frozen, "serving again")
