@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ sys.path[:0] = [str(ROOT / "tests" / d) for d in ("", "support", "integration", 
 import test_engine_drain as scenario  # noqa: E402
 from loadbalancer import HAProxy, Sampler, Server, Traffic, summary, transitions  # noqa: E402
 from realengine import VLLM_VERSION, assert_engines  # noqa: E402
+from scale import baseline_tree  # noqa: E402
 from specs import free_port  # noqa: E402
 from supervisors import SUPERVISOR, SupervisorProcess, stop_and_show  # noqa: E402
 from systemd_harness import two_node_network, wait_until  # noqa: E402
@@ -63,14 +63,6 @@ class BaselineSupervisor(SupervisorProcess):
         argv[at:at + 1] = ["env", "-C", str(self.code), f"PYTHONPATH={self.code}",
                            sys.executable, "-c", _MAIN]
         return argv
-
-
-def baseline_tree(ref: str, into: Path) -> Path:
-    into.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "llmgw_systemd"],
-                             capture_output=True, check=True, timeout=60).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True, timeout=60)
-    return into
 
 
 def out_of_rotation(samples: list[tuple[float, frozenset[str] | None]], server: str
@@ -115,6 +107,7 @@ def run(seconds: float, timeouts: list[int], layouts: list[list[str]], clients: 
         baseline: str, tmp: Path) -> None:
     code = baseline_tree(baseline, tmp / "baseline")
     tag = f"{os.getpid() % 10000}s"
+    (tmp / "cluster").mkdir()
     with two_node_network("llmgw-bench", tag, tmp) as nodes, \
             scenario.running(nodes, tmp / "cluster") as cluster:
         port = free_port()

@@ -285,7 +285,8 @@ HEALTH = Key("health", read_health, HealthCheck(),
              "may time out before a serving rank that answered counts as down when its "
              "metrics cannot tell; one refused, reset or 5xx counts at once, one slow "
              "while its engine took no step counts at once, and one slow while its engine "
-             "stepped never counts (`busy`: docs/supervisor.md, \"Slow is not down\").", shown=shown_mapping(HEALTH_KEYS))
+             "stepped never counts (`busy`: docs/supervisor.md, \"Slow is not down\").",
+             shown=shown_mapping(HEALTH_KEYS))
 
 COMMON_KEYS: tuple[Key[Any], ...] = (
     NAME, ENGINE, ENABLE, NODES, RENDEZVOUS_TIMEOUT, PORT_RELEASE_TIMEOUT, GPUS, ENV,

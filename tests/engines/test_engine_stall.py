@@ -31,6 +31,7 @@ Times here are the test's bounds, never asserted figures: bench/stall.py measure
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import statistics
@@ -363,13 +364,14 @@ replicas:
 """
 
 
-def test_a_frozen_engine_core_behind_a_live_api_server_is_restarted(
-        one_node: UserManager, tmp_path: Path) -> None:
-    """vLLM's engine core process alone frozen: its API server answers /health 200 in
-    milliseconds, no step runs; restarted as a stall, serving again with no hand."""
+@contextlib.contextmanager
+def single_replica(one_node: UserManager, tmp_path: Path, text: Callable[[int], str]
+                   ) -> Iterator[tuple[str, SupervisorProcess]]:
+    """The one-node replica of `text(port)` rendered and serving (a first completion
+    answered, its supervisor says ready): its URL and supervisor, stopped afterwards."""
     assert_engines()
     http = free_port()
-    spec = write(tmp_path / "spec.yaml", single_spec(http))
+    spec = write(tmp_path / "spec.yaml", text(http))
     one_node.render(spec, "node")
     base = f"http://127.0.0.1:{http}"
     sup = SupervisorProcess(one_node, "node", spec, listen=f"127.0.0.1:{free_port()}")
@@ -378,6 +380,17 @@ def test_a_frozen_engine_core_behind_a_live_api_server_is_restarted(
         wait_until(lambda: complete(one_node, base) == 200, 300, "a first completion",
                    interval=1)
         sup.wait_state("tiny", "ready", 60)
+        yield base, sup
+    finally:
+        sup.stop()
+        print(f"===== supervisor log\n{sup.tail(8000)}")
+
+
+def test_a_frozen_engine_core_behind_a_live_api_server_is_restarted(
+        one_node: UserManager, tmp_path: Path) -> None:
+    """vLLM's engine core process alone frozen: its API server answers /health 200 in
+    milliseconds, no step runs; restarted as a stall, serving again with no hand."""
+    with single_replica(one_node, tmp_path, single_spec) as (base, sup):
         core = wait_until(lambda: next((p for p in manager_pids(one_node)
                                         if "EngineCore" in cmdline(p)), None),
                           10, "vLLM's engine core process")
@@ -394,9 +407,6 @@ def test_a_frozen_engine_core_behind_a_live_api_server_is_restarted(
         assert restarts(sup)[1] == 1, "not restarted as a stall"
         one_node.systemctl("stop", TARGET)
         assert not manager_pids(one_node), "processes left behind"
-    finally:
-        sup.stop()
-        print(f"===== supervisor log\n{sup.tail(8000)}")
 
 
 def health_status(manager: UserManager, base: str) -> int:
@@ -412,12 +422,14 @@ TIMEOUTS = 3
 
 
 def frozen_api_spec(http: int) -> str:
-    return single_spec(http).replace(
+    text = single_spec(http).replace(
         f"""    health: {{interval: 1, timeout: 2, stability: 5, stall_after: {STALL_AFTER},
               generation: {{interval: {CHECK["interval"]}, timeout: {CHECK["timeout"]}}}}}
 """, f"""    health: {{interval: 1, timeout: 2, timeouts: {TIMEOUTS}, stability: 5,
               stall_after: {STALL_AFTER}}}
 """)
+    assert f"timeouts: {TIMEOUTS}" in text, "the spec's shape changed"
+    return text
 
 
 def test_a_frozen_api_server_leaves_rotation_within_its_timeouts(
@@ -426,18 +438,7 @@ def test_a_frozen_api_server_leaves_rotation_within_its_timeouts(
     endpoint and its metrics time out alike, so nothing tells slow from hung, and the
     rank is taken out once `timeouts` probes in a row have timed out: never ready over a
     failed completion after that bound; ready again once it is thawed."""
-    assert_engines()
-    http = free_port()
-    spec = write(tmp_path / "spec.yaml", frozen_api_spec(http))
-    assert f"timeouts: {TIMEOUTS}" in spec.read_text()
-    one_node.render(spec, "node")
-    base = f"http://127.0.0.1:{http}"
-    sup = SupervisorProcess(one_node, "node", spec, listen=f"127.0.0.1:{free_port()}")
-    try:
-        one_node.systemctl("start", TARGET)
-        wait_until(lambda: complete(one_node, base) == 200, 300, "a first completion",
-                   interval=1)
-        sup.wait_state("tiny", "ready", 60)
+    with single_replica(one_node, tmp_path, frozen_api_spec) as (base, sup):
         api = int(one_node.show(ENGINE, "MainPID")["MainPID"])
         assert "EngineCore" not in cmdline(api), cmdline(api)
         sampler = said_by(sup)
@@ -459,6 +460,3 @@ def test_a_frozen_api_server_leaves_rotation_within_its_timeouts(
                f"(bound {notice} s)")
         one_node.systemctl("stop", TARGET)
         assert not manager_pids(one_node), "processes left behind"
-    finally:
-        sup.stop()
-        print(f"===== supervisor log\n{sup.tail(8000)}")
