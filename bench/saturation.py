@@ -127,7 +127,8 @@ def run(seconds: float, timeouts: list[int], layouts: list[list[str]], clients: 
             for replicas in layouts:
                 cluster.serving(replicas[0])  # and no other vLLM replica
                 for other in replicas[1:]:
-                    nodes["node-a"].systemctl("start", f"llmgw-{other}.target")
+                    for node in reversed(scenario.NODES[other]):  # rank 0 waits for rank 1
+                        nodes[node].systemctl("start", f"llmgw-{other}.target")
                     wait_until(functools.partial(cluster.completes, other), scenario.BACK,
                                f"{other} to complete", interval=1)
                 for lb in (cluster.lb, old_lb):
@@ -147,7 +148,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=300, help="of load per timeout")
     parser.add_argument("--timeouts", default="1,2", help="health.timeout values, seconds")
     parser.add_argument("--baseline", default="631b056", help="a git ref of this repository")
-    parser.add_argument("--layouts", default="tp,one,one+tp",
+    parser.add_argument("--layouts", default="tp,one,tp+one",
                         help="what serves, in turn: a replica, or several joined by +")
     parser.add_argument("--clients", type=int, default=CLIENTS)
     args = parser.parse_args()
