@@ -37,7 +37,12 @@ RELAUNCH = f"llmgw-{REPLICA}-relaunch.service"
 LEADER_UNITS = (TARGET, HEAD, ENGINE, RESTART, RELAUNCH)
 DELAY = int(os.environ.get("LLMGW_TEST_KILL_DELAY", "2"))  # the restart delay
 HEAD_STOP = 2  # seconds the head takes to exit on SIGTERM, as a Ray head does (1.9-2.7 s)
-BACK_WITHIN = 25.0 + 3 * DELAY  # a shard not back this long after a kill is down for good
+STOP_TIMEOUT = 40  # the spec's stop_timeout: TimeoutStopSec= of the shard's units
+# A shard not back this long after a kill is down for good. STOP_TIMEOUT in it: a kill
+# that lands between the head's listen and its daemon's fork leaves a daemon forked after
+# the stop's SIGTERM, which only TimeoutStopSec='s SIGKILL ends (a CI run: the head
+# "deactivating" 31 s after the kill, the shard back at 51 s)
+BACK_WITHIN = STOP_TIMEOUT + 25.0 + 3 * DELAY
 STAYS_STOPPED = DELAY + 4.0  # a stopped shard watched this long for a start
 # Runs per order: 50 in all, about 5 min on two cores (the CI's other lane).
 RUNS = {"sidecar-then-engine": 6, "sidecar-then-engine-soon": 9,
@@ -53,7 +58,7 @@ def spec(path: Path, nodes: Nodes, http: int, head: int, pid_file: Path) -> Path
                             worker=nodes.address("node-b"), http=http, head=head,
                             pid_file=pid_file, delay=DELAY, burst=500, interval=DELAY * 600,
                             head_slow_stop=HEAD_STOP, engine_exit_on_term=0,
-                            extra="    stop_timeout: 40\n"
+                            extra=f"    stop_timeout: {STOP_TIMEOUT}\n"
                                   "    health: {interval: 1, timeout: 1, stability: 2}\n"
                                   "    group_restart: {delay: 1, max_delay: 2, budget: 500, "
                                   "window: 600}\n")
