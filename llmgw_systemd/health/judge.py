@@ -356,7 +356,7 @@ def held_over(policy: ReplicaPolicy, seen: PeerEvidence, now: float, steady: boo
     the node may be gone), an answer older than that, or this rank not ready: None, and
     today's rules (docs/supervisor.md, "A peer's supervisor restarting")."""
     last = seen.last
-    if not (seen.error and seen.refused and steady) or last is None or last.error:
+    if not (seen.error and seen.refused and steady) or last is None:
         return None
     if now - last.received_at > policy.peer_grace:
         return None
@@ -376,18 +376,16 @@ def peer_rank(policy: ReplicaPolicy, rank: int, seen: PeerEvidence | None,
 
     if seen is None:
         return unknown(f"no report yet from the supervisor on {node}")
-    note = ""
-    if seen.error:
-        held = held_over(policy, seen, now, steady)
-        if held is None:
-            return unknown(f"supervisor on {node} unreachable: {seen.error}")
-        note = (f" (as reported {now - held.received_at:.0f} s ago; its supervisor is "
-                f"not answering: {seen.error})")
-        seen = held
+    held = held_over(policy, seen, now, steady) if seen.error else None
+    note = "" if held is None else (f" (as reported {now - held.received_at:.0f} s ago; "
+                                    f"its supervisor is not answering: {seen.error})")
+    if seen.error and held is None:
+        return unknown(f"supervisor on {node} unreachable: {seen.error}")
+    seen = held or seen
     if policy.require_auth and not seen.authenticated:
         return unknown(f"report from the supervisor on {node} is not authenticated")
     age = now - seen.received_at
-    if age > policy.peer_fresh and not note:
+    if age > policy.peer_fresh and held is None:  # a held answer's bound is the grace
         return unknown(f"report from the supervisor on {node} is {age:.0f} s old")
     found = [s for s in seen.shards if s.rank == rank and counts(policy, seen, s)]
     if not found:

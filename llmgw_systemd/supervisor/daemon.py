@@ -468,11 +468,12 @@ class Supervisor:
         with self.lock:
             probes = {**{(r, HEALTH): p for r, p in self.probes.items()},
                       **{(r, GENERATION): p for r, p in self.completions.items()}}
-            peers = {node: (p.last if p.error else p) for node, p in self.peers.items()}
+            # a failed fetch keeps the last answer that came through (add_peer)
+            answers = {node: p.last if p.error else p for node, p in self.peers.items()}
         served = {name: m.served for name, m in list(self.memory.items()) if m.served}
         record = saved_evidence.SavedEvidence(
             saved_evidence.boot_id(), probes, served,
-            {node: p for node, p in peers.items() if p is not None and not p.error})
+            {node: a for node, a in answers.items() if a is not None})
         try:
             saved_evidence.save(self.config.state_dir, record)
         except StateError as exc:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from llmgw_systemd.health.evidence import PeerEvidence, PeerShard, ProbeEvidence
@@ -56,18 +56,14 @@ def boot_id() -> str:
 def encode(saved: SavedEvidence) -> dict[str, Any]:
     return {
         "boot_id": saved.boot_id,
-        "probes": [{"replica": r, "kind": k, **_fields(p)}
+        "probes": [{"replica": r, "kind": k, **asdict(p)}
                    for (r, k), p in sorted(saved.probes.items())],
         "served": dict(sorted(saved.served.items())),
         "peers": [{"source": p.source, "received_at": p.received_at,
                    "authenticated": p.authenticated,
-                   "shards": [_fields(s) for s in p.shards]}
+                   "shards": [asdict(s) for s in p.shards]}
                   for _, p in sorted(saved.peers.items()) if not p.error],
     }
-
-
-def _fields(item: object) -> dict[str, Any]:
-    return {f.name: getattr(item, f.name) for f in fields(item)}  # type: ignore[arg-type]
 
 
 def _typed(record: object, name: str, kind: type | tuple[type, ...]) -> Any:
