@@ -106,8 +106,9 @@ class PeerError(LlmgwError):
         if kind not in PEER_FAILURES:
             raise ValueError(f"unknown PeerError kind {kind!r}")
         self.kind = kind
-        # the node's kernel answered and nothing listened (a connection refused): the
-        # node is up, its supervisor is not (restarting); a timeout says nothing of it
+        # the node's kernel answered and nothing listened (a connection refused, or reset
+        # before any answer): the node is up, its supervisor is not (restarting); a
+        # timeout says nothing of it
         self.refused = refused
         self.message = one_line(message)
         super().__init__(self.message)

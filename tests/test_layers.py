@@ -85,7 +85,8 @@ MAY_IMPORT = {
     "health": {"errors", "spec"},
     # the readers plan unit names (units.plan) but never write units
     "gather": {"errors", "spec", "units.plan", "health"},
-    "supervisor": {"errors", "spec", "units.plan", "health", "gather", "helpers.sd_notify"},
+    "supervisor": {"errors", "spec", "units.plan", "health", "gather", "helpers.sd_notify",
+                   "helpers.listen_fds"},
     "helpers": {"errors", "spec.endpoint", "spec.names", "health.drain", "health.versions"},
     "commands": {"errors", "spec", "units", "apply", "health", "gather", "supervisor",
                  "helpers.stop_group", "helpers.local_api"},

@@ -16,6 +16,7 @@ import random
 import select
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import threading
@@ -915,3 +916,25 @@ def test_a_new_tls_connection_resumes_the_session_and_keeps_the_certificate(
     for result in results:  # the certificate is the session's, resumed or not
         assert isinstance(result, PeerAnswer) and result.peer_cert is not None
         assert result.peer_cert["subject"] == ((("commonName", "peer.test"),),)
+
+
+def test_a_reset_before_any_answer_counts_as_refused() -> None:
+    """A supervisor that stops with our request queued resets it: the node's kernel
+    answered, as with a refusal (the peer grace's evidence, docs/supervisor.md)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+
+        def reset() -> None:
+            conn, _ = listener.accept()
+            conn.recv(4096)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # linger 0: an RST, not a FIN
+
+        thread = threading.Thread(target=reset, daemon=True)
+        thread.start()
+        error = expect_error(lambda: fetch_shards("127.0.0.1", port, deadline=5.0),
+                             "closed", 5.0)
+        thread.join(5)
+    assert error.refused, error

@@ -469,8 +469,11 @@ class _Channel:
         if isinstance(exc, ssl.SSLError):
             return PeerError("tls", f"TLS with {self.where} failed while {budget.phase}: "
                              f"{_describe(exc)}")
+        # A reset before any answer is the node's kernel too: its supervisor went away
+        # with our request queued (a stop, a restart), as good as a refusal.
         return PeerError("closed", f"connection to {self.where} lost while {budget.phase}: "
-                         f"{_describe(exc)}")
+                         f"{_describe(exc)}",
+                         refused=exc.errno == errno.ECONNRESET and budget.phase != READING)
 
     def _take(self) -> bytes:
         data = self.stream.take()

@@ -54,6 +54,14 @@ from llmgw_systemd.health.judge import STALL, Memory, ReplicaPolicy, Verdict, ju
 from llmgw_systemd.health.progress import BUSY, ProgressReading, keep
 from llmgw_systemd.health.rules import READY
 from llmgw_systemd.health.unit_state import UnitState
+from llmgw_systemd.helpers.listen_fds import (
+    adopt,
+    close_inherited,
+    inherited_sockets,
+    store,
+    unstore,
+    wanted_address,
+)
 from llmgw_systemd.helpers.sd_notify import notify, watchdog_interval
 from llmgw_systemd.spec.document import Document
 from llmgw_systemd.spec.endpoint import local_address
@@ -575,9 +583,11 @@ class Supervisor:
         self.runtime.start()
         self.load_spec()
         self.load_requests()
-        self._start_http()
         self.runtime.spawn(self._watchdog())
+        # The first verdict before the first answer: a restarted supervisor's clients,
+        # waiting in the kept socket's backlog, get it rather than "no such replica".
         self.reconcile()
+        self._start_http()
         notify("READY=1")
         due = time.monotonic() + self.config.reconcile_interval
         while not self.stopping.is_set():
@@ -886,22 +896,39 @@ class Supervisor:
                                 self.metrics.render)
 
     def _start_http(self) -> None:
+        """Serve the API, on the sockets systemd kept across a restart when they are for
+        the same addresses (connections made meanwhile waited in their backlog), else on
+        new ones, which go into systemd's store for the next restart."""
         config = self.config
         listeners: list[tuple[str, str, int, Any]] = []
         context = server_context(config.tls) if config.tls is not None else None
         listeners.append(("api", config.listen_host, config.listen_port, context))
         if config.local is not None:
             listeners.append(("local", config.local[0], config.local[1], None))
+        inherited = inherited_sockets()
+        wanted = {name: address for name, host, port, _ in listeners
+                  if (address := wanted_address(host, port)) is not None}
+        adoption = adopt(wanted, [item for item, _ in inherited])
+        sockets = {item.fd: sock for item, sock in inherited}
+        for item in adoption.drop:
+            close_inherited(item, sockets.get(item.fd))
+            unstore(item.name)
+            log(f"dropped the kept socket '{item.name}' "
+                f"({'not a listening TCP socket' if item.address is None else 'another address'})")
         for name, host, port, ssl_context in listeners:
+            held = sockets.get(adoption.use[name]) if name in adoption.use else None
             server = HttpServer(host, port, self._handle, ssl_context=ssl_context,
                                 max_connections=config.max_connections, log=log)
             server.attach(self.changes)
-            server.start(self.runtime.loop)
+            server.start(self.runtime.loop, listener=held)
             self.servers[name] = server
+            kept = held is not None or (server.address[1] == port and store(name, server.listener))
             scheme = "https" if ssl_context is not None else "http"
             shown = f"[{host}]" if ":" in host else host
             log(f"API on {scheme}://{shown}:{server.address[1]}/{api.API_VERSION}/"
-                + (" (TLS, client certificates required)" if ssl_context else ""))
+                + (" (TLS, client certificates required)" if ssl_context else "")
+                + ("; the socket systemd kept across the restart" if held is not None
+                   else "; kept by systemd across restarts" if kept else ""))
             if ssl_context is None and not is_loopback(host):
                 log(f"warning: plain HTTP on {host}, a non-loopback address: peers are not "
                     "authenticated and anyone who answers there is believed; configure TLS "

@@ -4,10 +4,14 @@ their API from that same namespace."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -100,13 +104,102 @@ def stop_and_show(sups: Sequence[SupervisorProcess]) -> None:
         print(f"===== {sup.node}: supervisor log")
         print(sup.tail())
 
+# Runs between the test and the supervisor as systemd's exec does: the kept descriptors
+# (argv up to "--") become 3, 4, ... with LISTEN_FDS, LISTEN_FDNAMES and this process's
+# own PID as LISTEN_PID (nsenter execs in place: the supervisor keeps it).
+_EXEC_WITH_FDS = """\
+import fcntl, os, sys
+split = sys.argv.index("--")
+pairs = [a.split("=", 1) for a in sys.argv[1:split]]
+high = [fcntl.fcntl(int(fd), fcntl.F_DUPFD, 100) for fd, _ in pairs]
+for i, fd in enumerate(high):
+    os.dup2(fd, 3 + i)
+    os.close(fd)
+os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(pairs)),
+                  LISTEN_FDNAMES=":".join(name for _, name in pairs))
+os.execvp(sys.argv[split + 1], sys.argv[split + 1:])
+"""
+
+
+class FdStore:
+    """systemd's side of sd_notify for one supervisor, as far as the tests need it: a
+    notify socket that keeps the descriptors sent with FDSTORE=1 (FDNAME=), closes them
+    on FDSTOREREMOVE=1, and drains every other message (READY=1, STATUS=...)."""
+
+    def __init__(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.held: list[tuple[int, str]] = []
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._receive, daemon=True)
+        self.thread.start()
+
+    def _receive(self) -> None:
+        while not self.closed.is_set():
+            try:
+                data, fds, _, _ = socket.recv_fds(self.sock, 65536, 16)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines()
+                          if "=" in line)
+            name = fields.get("FDNAME", "stored")
+            with self.lock:
+                if fields.get("FDSTORE") == "1":
+                    self.held.extend((fd, name) for fd in fds)
+                    continue
+                if fields.get("FDSTOREREMOVE") == "1":
+                    for fd, held_name in [h for h in self.held if h[1] == name]:
+                        os.close(fd)
+                        self.held.remove((fd, held_name))
+            for fd in fds:
+                os.close(fd)
+
+    def names(self) -> list[str]:
+        with self.lock:
+            return [name for _, name in self.held]
+
+    def wrap(self, argv: list[str]) -> tuple[list[str], tuple[int, ...]]:
+        """argv run with the kept descriptors passed as systemd passes them."""
+        with self.lock:
+            held = list(self.held)
+        if not held:
+            return argv, ()
+        return ([sys.executable, "-c", _EXEC_WITH_FDS, *(f"{fd}={name}" for fd, name in held),
+                 "--", *argv], tuple(fd for fd, _ in held))
+
+    def release(self) -> None:
+        """What a stop does: every kept descriptor closed."""
+        with self.lock:
+            for fd, _ in self.held:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self.held.clear()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.thread.join(5)
+        self.release()
+        self.sock.close()
+        self.path.unlink(missing_ok=True)
+
 
 class SupervisorProcess(ApiReader):
-    """One llmgw-supervisor on one node's user manager, started and stopped by PID."""
+    """One llmgw-supervisor on one node's user manager, started and stopped by PID.
+
+    With `keep_sockets`, its API sockets are kept across restart() as the shipped unit's
+    FileDescriptorStoreMax= has systemd keep them (an FdStore as its NOTIFY_SOCKET);
+    stop() closes them, as a stop does."""
 
     def __init__(self, manager: UserManager, node: str, spec: Path, *, listen: str,
                  extra: Sequence[str] = (), env: dict[str, str] | None = None,
-                 state_dir: Path | None = None, wait: bool = True) -> None:
+                 state_dir: Path | None = None, wait: bool = True,
+                 keep_sockets: bool = False) -> None:
         super().__init__(manager, node, f"http://{listen}")
         self.spec, self.listen = spec, listen
         self.extra = list(extra)
@@ -114,6 +207,9 @@ class SupervisorProcess(ApiReader):
         self.state_dir = state_dir or manager.state / f"supervisor-state-{node}"
         self.log = manager.state / f"supervisor-{node}.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.fd_store = FdStore(manager.state / f"notify-{node}.sock") if keep_sockets else None
+        if self.fd_store is not None:
+            self.env["NOTIFY_SOCKET"] = str(self.fd_store.path)
         self.start(wait=wait)
 
     @property
@@ -138,9 +234,11 @@ class SupervisorProcess(ApiReader):
         return argv
 
     def start(self, *, wait: bool = True) -> None:
-        self.process = subprocess.Popen(self.argv(), env=self.env,
-                                        stdout=self.log.open("ab"),
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        argv, fds = (self.argv(), ()) if self.fd_store is None else \
+            self.fd_store.wrap(self.argv())
+        self.process = subprocess.Popen(argv, env=self.env, stdout=self.log.open("ab"),
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        pass_fds=fds)
         if wait:
             wait_until(lambda: self.alive() and self.up(), 30,
                        f"the supervisor on {self.node} to answer")
@@ -172,7 +270,9 @@ class SupervisorProcess(ApiReader):
         assert self.process is not None
         self.process.send_signal(sig)
 
-    def stop(self) -> None:
+    def stop(self, *, release: bool = True) -> None:
+        """SIGTERM (SIGKILL after 20 s); `release=False` keeps the kept sockets, as a
+        restart does."""
         if self.alive():
             assert self.process is not None
             self.process.send_signal(signal.SIGTERM)
@@ -181,6 +281,16 @@ class SupervisorProcess(ApiReader):
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
+        if release and self.fd_store is not None:
+            self.fd_store.close()
+            self.fd_store = None
+            self.env.pop("NOTIFY_SOCKET", None)
+
+    def restart(self, *, wait: bool = True) -> None:
+        """What `systemctl restart` does: stop, then the same command line, with the
+        kept sockets passed on when there are any."""
+        self.stop(release=False)
+        self.start(wait=wait)
 
     def rss_kb(self) -> int:
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():

@@ -317,6 +317,13 @@ class HttpServer:
         return self._address
 
     @property
+    def listener(self) -> socket.socket:
+        """The listening socket (to hand to systemd's store)."""
+        if self._sock is None:
+            raise RuntimeError("not started")
+        return self._sock
+
+    @property
     def stats(self) -> dict[str, int]:
         """Counters since start (`accepted` counts every accept(), the refused too;
         `bad_requests` the 400/405/413/431 we answered ourselves; `busy` the 503s), plus
@@ -331,14 +338,18 @@ class HttpServer:
         if self._loop is not None and not self._loop.is_closed():
             changes._bind(self._loop)
 
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Bind and listen (OSError on failure), then serve: from a daemon thread of its
-        own, or on `loop` when given (running in another thread, such as the
-        supervisor's runtime; that loop's exception handler is its owner's)."""
+    def start(self, loop: asyncio.AbstractEventLoop | None = None, *,
+              listener: socket.socket | None = None) -> None:
+        """Bind and listen (OSError on failure), or serve `listener`, a listening socket
+        made elsewhere (one systemd kept across a restart); then serve: from a daemon
+        thread of its own, or on `loop` when given (running in another thread, such as
+        the supervisor's runtime; that loop's exception handler is its owner's)."""
         if self._thread is not None or self._loop is not None:
             raise RuntimeError("HttpServer.start() called twice")
         self._cap = self._fd_cap()
-        sock = self._bind()
+        if listener is not None:
+            listener.setblocking(False)
+        sock = listener if listener is not None else self._bind()
         self._sock = sock
         name = sock.getsockname()
         self._address = (str(name[0]), int(name[1]))
