@@ -298,7 +298,7 @@ def duo_spec(env: str = "") -> str:
 @reported
 def test_at_boot_an_enabled_replica_serves_and_a_broken_file_is_named(cluster: Cluster
                                                                       ) -> None:
-    a = cluster.a
+    a, b = cluster.nodes
     model = str(MODEL)
     serving = wait_until(lambda: time.monotonic() if completion(a, 8000, model) == 200
                          else None, 300, "the enabled replica to serve after boot", 1)
@@ -326,7 +326,23 @@ def test_at_boot_an_enabled_replica_serves_and_a_broken_file_is_named(cluster: C
         lb.wait_until_up("solo", timeout=300)
         back = time.monotonic()
         time.sleep(3)  # it serves again
+        # each node's supervisor restarted as a package upgrade's try-restart does: its
+        # API sockets stay in systemd's keeping (FileDescriptorStoreMax=), HAProxy's TLS
+        # checks wait in their backlog, and both replicas stay in rotation
+        in_rotation_since = time.monotonic()
+        for node in (b, a):
+            old_supervisor = main_pid(node, "llmgw-supervisor.service")
+            node.systemctl("restart", "llmgw-supervisor.service")
+            assert main_pid(node, "llmgw-supervisor.service") not in (0, old_supervisor)
+            time.sleep(3)
+        restarts_done = time.monotonic()
         traffic.finish()
+    for node in (a, b):
+        said = node.journal("-u", "llmgw-supervisor.service", "-o", "cat")
+        assert "the socket systemd kept across the restart" in said, said[-2000:]
+    for name in ("solo", "standby"):
+        assert in_rotation(sampler.samples, name, in_rotation_since, restarts_done), \
+            not_in_rotation(sampler.samples, name)
     out, _ = out_window(sampler.samples, "solo")
     FIGURES["planned restart under load: requests failed"] = len(traffic.failed)
     FIGURES["  out of rotation after the restart was asked"] = out - asked
@@ -869,10 +885,17 @@ def test_an_upgrade_restarts_the_supervisor_only_and_removal_leaves_the_admins_f
     engines = {u: main_pid(a, u) for u in units}
     assert all(engines.values()), engines
     supervisor = main_pid(a, "llmgw-supervisor.service")
-    apt_install(a, cluster.debs[UPGRADE])
+    # the API asked throughout, as a load balancer's checks do: the restart the upgrade
+    # makes (a daemon-reload, then try-restart) keeps its socket, so every request is
+    # answered
+    watcher = a.client()
+    with Sampler(lambda: str(watcher.request(f"{API}/shards", timeout=5)[0])) as api:
+        apt_install(a, cluster.debs[UPGRADE])
+        wait_until(lambda: main_pid(a, "llmgw-supervisor.service") not in (0, supervisor),
+                   30, "the supervisor to restart")
+        time.sleep(2)
+    assert api.seen and api.states() == {"200"}, sorted(api.states())
     assert a.run("llmgw-render", "--version").stdout.strip() == f"llmgw-render {UPGRADE}"
-    wait_until(lambda: main_pid(a, "llmgw-supervisor.service") not in (0, supervisor), 30,
-               "the supervisor to restart")
     assert a.show("llmgw-supervisor.service", "ActiveState")["ActiveState"] == "active"
     assert {u: main_pid(a, u) for u in units} == engines, "a replica restarted"
 
