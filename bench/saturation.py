@@ -104,7 +104,7 @@ def measure(cluster: scenario.Cluster, old_lb: HAProxy, original: str,
 
 
 def run(seconds: float, timeouts: list[int], layouts: list[list[str]], clients: int,
-        baseline: str, tmp: Path) -> None:
+        baseline: str, pin: str, tmp: Path) -> None:
     code = baseline_tree(baseline, tmp / "baseline")
     tag = f"{os.getpid() % 10000}s"
     (tmp / "cluster").mkdir()
@@ -134,9 +134,18 @@ def run(seconds: float, timeouts: list[int], layouts: list[list[str]], clients: 
                 for lb in (cluster.lb, old_lb):
                     for replica in replicas:
                         lb.wait_until_up(replica, timeout=120)
-                for timeout in timeouts:
-                    measure(cluster, old_lb, original, replicas, timeout, seconds, clients,
-                            baseline)
+                pinned = bool(pin) and "tp" in replicas
+                if pinned:
+                    # tp's processes on the cores given, which they saturate: their API
+                    # servers' event loops wait behind the engines' threads
+                    print(f"tp's {scenario.pin(cluster, pin)} processes pinned to CPUs {pin}")
+                try:
+                    for timeout in timeouts:
+                        measure(cluster, old_lb, original, replicas, timeout, seconds,
+                                clients, baseline)
+                finally:
+                    if pinned:
+                        scenario.pin(cluster, f"0-{(os.cpu_count() or 1) - 1}")
         finally:
             if old_lb is not None:
                 old_lb.stop()
@@ -151,6 +160,8 @@ def main() -> int:
     parser.add_argument("--layouts", default="tp,one,tp+one",
                         help="what serves, in turn: a replica, or several joined by +")
     parser.add_argument("--clients", type=int, default=CLIENTS)
+    parser.add_argument("--pin", default="0",
+                        help="CPUs for tp's processes (taskset list); empty: not pinned")
     args = parser.parse_args()
     assert os.geteuid() == 0, "needs root (network namespaces, user managers)"
     assert_engines()
@@ -159,7 +170,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-saturation-") as tmp:
         run(args.seconds, [int(t) for t in args.timeouts.split(",")],
             [layout.split("+") for layout in args.layouts.split(",")], args.clients,
-            args.baseline, Path(tmp))
+            args.baseline, args.pin, Path(tmp))
     return 0
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_systemd.health.evidence import PeerEvidence, PeerShard, ProbeEvidence
+from llmgw_systemd.health.evidence import PeerEvidence, PeerShard, ProbeEvidence, carried_over
 from llmgw_systemd.supervisor import saved_evidence
 from llmgw_systemd.supervisor.saved_evidence import SavedEvidence, decode, encode, save, take
 
@@ -82,3 +82,38 @@ def test_a_file_that_is_not_json_is_refused(tmp_path: Path) -> None:
     back, warning = take(str(tmp_path), NOW)
     assert back is None and "cannot read" in warning
     assert take(str(tmp_path), NOW) == (None, ""), "warned once, then gone"
+
+
+@pytest.mark.parametrize(("what", "boot_readable", "saved_boot", "volatile", "kept"), [
+    ("a sandbox that cannot read the boot ID, in a folder a reboot empties",
+     False, "", True, True),
+    ("the same sandbox, in a folder that survives a reboot", False, "", False, False),
+    ("saved where the boot ID was readable, read where it is not", False, "x", True, False),
+    ("saved in a sandbox, read outside it", True, "", True, False),
+])
+def test_this_boot_without_a_readable_boot_id(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str, boot_readable: bool,
+        saved_boot: str, volatile: bool, kept: bool) -> None:
+    """The shipped unit's ProcSubset=pid hides /proc/sys: the boot ID reads as "" there,
+    and only RuntimeDirectory= (on /run, a tmpfs) says the file is of this boot."""
+    if not boot_readable:
+        monkeypatch.setattr(saved_evidence, "BOOT_ID", str(tmp_path / "hidden"))
+    save(str(tmp_path), evidence(boot=saved_boot))
+    back, _ = take(str(tmp_path), NOW, volatile=volatile)
+    assert (back is not None) == kept, what
+
+
+@pytest.mark.parametrize(("what", "taken_at", "counts"), [
+    ("taken just before a quick restart", NOW - 1, True),
+    ("taken before a restart slower than the probe's freshness", NOW - 12, True),
+    ("at the grace's edge", NOW - 20, True),
+    ("a supervisor that stayed down longer than the grace", NOW - 21, False),
+    ("a time after the start (cannot be)", NOW + 1, False),
+])
+def test_a_saved_probe_counts_from_the_restart_within_the_grace(
+        what: str, taken_at: float, counts: bool) -> None:
+    probe = ProbeEvidence(True, "HTTP 200 in 3 ms", GEN, taken_at)
+    got = carried_over(probe, NOW, 20.0)
+    assert (got is not None) == counts, what
+    if got is not None:
+        assert got.taken_at == NOW and got.generation == GEN and got.ok

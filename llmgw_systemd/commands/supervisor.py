@@ -38,6 +38,7 @@ def supervise(specs: tuple[str, ...], *, node: str | None, user_manager: bool, l
     check_writable(directory)
     config = SupervisorConfig(
         specs=specs or DEFAULT_SPECS, node=this_node(node), state_dir=directory,
+        runtime_dir=os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None,
         user=user_manager, listen_host=host, listen_port=port, local=extra,
         peer_port=peer_port or port, tls=tls, dbus_timeout=dbus_timeout,
         peer_timeout=peer_timeout, peer_grace=peer_grace)

@@ -97,6 +97,18 @@ class PeerEvidence:
     last: PeerEvidence | None = None
 
 
+def carried_over(probe: ProbeEvidence, started_at: float, grace: float
+                 ) -> ProbeEvidence | None:
+    """A probe the last supervisor saved, as this one starts at `started_at`: taken at most
+    `grace` seconds before (a restart, not a supervisor that stayed down), it counts as
+    if taken at the start, so a restart slower than the probe's freshness does not turn
+    a serving replica down before the first own probe (which starts at once) has
+    answered; older, it does not count at all. Its generation still has to match."""
+    if not started_at - grace <= probe.taken_at <= started_at:
+        return None
+    return replace(probe, taken_at=started_at)
+
+
 def same_news(before: PeerEvidence | None, after: PeerEvidence) -> bool:
     """Whether `after` tells nothing `before` did not: the same source, outcome and
     authentication, the same shards but for how long their engines have run (that grows

@@ -17,6 +17,9 @@ class SupervisorConfig:
     specs: tuple[str, ...]
     node: str
     state_dir: str
+    # a folder a reboot empties (systemd's RuntimeDirectory=): the evidence kept for the
+    # next start goes there when there is one, else into state_dir
+    runtime_dir: str | None = None
     user: bool = False
     listen_host: str = SUPERVISOR_LOCAL.host
     listen_port: int = SUPERVISOR_PORT

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from llmgw_systemd import __version__
 from llmgw_systemd.errors import BusError, LlmgwError, PeerError, SpecError, StateError
 from llmgw_systemd.gather.engine_metrics import read_progress
 from llmgw_systemd.gather.peer_client import PeerSession
@@ -48,6 +49,7 @@ from llmgw_systemd.health.evidence import (
     LocalEvidence,
     PeerEvidence,
     ProbeEvidence,
+    carried_over,
     same_news,
 )
 from llmgw_systemd.health.judge import STALL, Memory, ReplicaPolicy, Verdict, judge, refused
@@ -92,6 +94,19 @@ from llmgw_systemd.units.plan import ready_within
 
 def log(message: str) -> None:
     STDERR.write(f"{IDENTIFIER}: {message}")  # never blocks on a stopped journald
+
+
+def since_exec() -> float | None:
+    """Seconds since this process began (its start time in /proc/self/stat, in clock
+    ticks since boot): how long the interpreter and the imports took, which a starved
+    CPU stretches. None if unreadable."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - started
 
 
 def unit_names(shards: Sequence[LocalShard]) -> list[str]:
@@ -219,6 +234,9 @@ class Prober(Task):
 MAX_FETCH_RATE = 20.0  # per peer node, per second
 DRAIN_READ_INTERVAL = 0.5  # seconds between reads of the engine's metrics while draining
 REQUESTS_CHECK = 1.0  # seconds between looks at the drain requests' folder
+# How long a request to a supervisor that has not judged yet waits for its first verdict:
+# below HAProxy's `timeout check 3s` (docs/loadbalancer.md), so a check gets an answer.
+FIRST_VERDICT_WAIT = 2.5
 FIRST_LOOKS = 4  # first looks from signals alone before the confirming read
 COALESCE = 0.002  # seconds to wait for the rest of a burst of signals
 
@@ -314,6 +332,10 @@ class Supervisor:
         self.fetchers: dict[tuple[str, str], PeerFetcher] = {}
         self.changes = Changes()
         self.published = api.Published(config.node, 0)
+        # set on the runtime's loop once the first verdict is published: until then a
+        # request waits for it (FIRST_VERDICT_WAIT), so the API can accept, and finish
+        # TLS handshakes, from the first moment of the process
+        self.judged = asyncio.Event()
         self.servers: dict[str, HttpServer] = {}
         self.figures = Figures()  # what the metrics show: the last judgement's
         self.metrics = SupervisorMetrics(
@@ -449,13 +471,18 @@ class Supervisor:
         serving ranks answered in; each peer's last answer, standing within the peer
         grace until that peer answers (judge.held_over)."""
         now = time.monotonic()
-        saved, warning = saved_evidence.take(self.config.state_dir, now)
+        config = self.config
+        saved, warning = saved_evidence.take(config.runtime_dir or config.state_dir, now,
+                                             volatile=config.runtime_dir is not None)
         if warning:
             log(warning)
         if saved is None:
             return
         with self.lock:
-            for (replica, kind), probe in saved.probes.items():
+            for (replica, kind), saved_probe in saved.probes.items():
+                probe = carried_over(saved_probe, now, config.peer_grace)
+                if probe is None:
+                    continue
                 marked = replace(probe, detail=saved_evidence.SAVED + probe.detail.removeprefix(
                     saved_evidence.SAVED))
                 if kind == GENERATION:
@@ -483,7 +510,7 @@ class Supervisor:
             saved_evidence.boot_id(), probes, served,
             {node: a for node, a in answers.items() if a is not None})
         try:
-            saved_evidence.save(self.config.state_dir, record)
+            saved_evidence.save(self.config.runtime_dir or self.config.state_dir, record)
         except StateError as exc:
             log(f"warning: {exc}")
 
@@ -572,6 +599,10 @@ class Supervisor:
     # -- the loop -----------------------------------------------------------------------
 
     def run(self) -> None:
+        took = since_exec()
+        log(f"version {__version__}, pid {os.getpid()}"
+            + (f", {took:.1f} s after exec ({time.process_time():.1f} s of CPU)"
+               if took is not None else ""))
         self.saved_restarts, warning = load_restarts(self.config.state_dir)
         if warning:
             log(warning)
@@ -581,13 +612,15 @@ class Supervisor:
             log(warning)
         self._restore_evidence()
         self.runtime.start()
+        # Serving first (on the socket kept across a restart, docs/supervisor.md): the
+        # clients that waited in its backlog meanwhile finish their TLS handshakes now,
+        # and their requests get the first verdict below, not "no such replica".
+        self._start_http()
         self.load_spec()
         self.load_requests()
         self.runtime.spawn(self._watchdog())
-        # The first verdict before the first answer: a restarted supervisor's clients,
-        # waiting in the kept socket's backlog, get it rather than "no such replica".
         self.reconcile()
-        self._start_http()
+        self.runtime.call(self.judged.set)
         notify("READY=1")
         due = time.monotonic() + self.config.reconcile_interval
         while not self.stopping.is_set():
@@ -608,10 +641,13 @@ class Supervisor:
     def stop(self) -> None:
         self.stopping.set()
         self.wake.set()
+        # Saved while still answering: the API closes last of all that a restart waits
+        # for, so the time nothing answers (its socket kept, docs/supervisor.md) is the
+        # process's exit and the next one's start, not this one's tidying up.
+        self._save_evidence()
         for server in self.servers.values():
             server.stop()
         self.runtime.stop()  # every task: probers, fetchers, the watchdog, connections
-        self._save_evidence()
         self.bus.close()
         self.journal.close()
 
@@ -892,6 +928,11 @@ class Supervisor:
     # -- HTTP API -----------------------------------------------------------------------
 
     async def _handle(self, request: Request) -> Response:
+        if not self.judged.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.judged.wait(), FIRST_VERDICT_WAIT)
+            if not self.judged.is_set():
+                return api.not_judged_yet()
         return await api.handle(request, lambda: self.published, self.changes,
                                 self.metrics.render)
 

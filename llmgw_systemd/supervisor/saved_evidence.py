@@ -126,10 +126,15 @@ def save(directory: str, saved: SavedEvidence) -> None:
     save_record(directory, FILE_NAME, KEY, encode(saved))
 
 
-def take(directory: str, now: float) -> tuple[SavedEvidence | None, str]:
+def take(directory: str, now: float, *, volatile: bool = False
+         ) -> tuple[SavedEvidence | None, str]:
     """The evidence a supervisor saved when it stopped in this boot, read once: the file
     is removed, so a later start after a crash never takes it for its own. None and a
-    warning ("" when there was nothing) otherwise."""
+    warning ("" when there was nothing) otherwise.
+
+    This boot: the boot IDs match. A sandbox with ProcSubset=pid (the shipped unit) cannot
+    read the boot ID at all; then only a `volatile` folder (its RuntimeDirectory=, on a
+    tmpfs a reboot empties) proves the file is of this boot."""
     record, warning = load_record(directory, FILE_NAME, KEY, "evidence")
     path = os.path.join(directory, FILE_NAME)
     try:
@@ -144,7 +149,7 @@ def take(directory: str, now: float) -> tuple[SavedEvidence | None, str]:
         saved = decode(record)
     except ValueError as exc:
         return None, f"{path}: {exc}; starting with no saved evidence"
-    if not saved.boot_id or saved.boot_id != boot_id():
+    if saved.boot_id != boot_id() or not (saved.boot_id or volatile):
         return None, ""  # from before a reboot: its clock means nothing now
     stamps = [p.taken_at for p in saved.probes.values()] + \
         [p.received_at for p in saved.peers.values()]

@@ -100,6 +100,11 @@ def _wait_params(query: tuple[tuple[str, str], ...]) -> tuple[int | None, float]
     return after, wait
 
 
+def not_judged_yet() -> Response:
+    """The answer of a supervisor that has not judged its replicas yet (just started)."""
+    return _error(503, "starting: this supervisor has not judged its replicas yet")
+
+
 async def handle(request: Request, current: Callable[[], Published], changes: Changes,
                  metrics: Callable[[], tuple[bytes, str]]) -> Response:
     """Route one GET or HEAD (the server answers other methods with 405)."""
