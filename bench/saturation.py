@@ -95,6 +95,10 @@ def measure(cluster: scenario.Cluster, old_lb: HAProxy, original: str,
     hours = seconds / 3600
     print(f"{' + '.join(replicas)} serving, health.timeout {timeout} s, {seconds:.0f} s of "
           f"{clients} clients: {summary(traffic.requests)}")
+    start = min((r.started for r in traffic.requests), default=0.0)
+    for r in (r for r in traffic.requests if r.status != 200):
+        print(f"  failed at +{r.started - start:.1f} s after {r.took:.1f} s: HTTP {r.status} "
+              f"from {r.server or 'HAProxy itself'}{': ' + r.error if r.error else ''}")
     for replica in replicas:
         for name, sampler in ((f"baseline {baseline}", before), ("today", now)):
             flips, out = out_of_rotation(list(sampler.samples), replica)
