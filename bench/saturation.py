@@ -18,6 +18,11 @@ For each health.timeout in --timeouts, over --seconds of load: per set of rules 
 replica, how often HAProxy took it out of rotation (flips per hour) and for how long in
 all; the requests and how many failed (they go to today's HAProxy only).
 
+`tp`'s processes are pinned to CPU 0 by default (--pin; "" for not), so that they
+saturate it. Issue 40's own layout, both replicas unpinned on both cores, is
+`--layouts tp+one --pin "" --clients 4`; docs/supervisor.md ("Slow is not down") has
+the figures of both.
+
 Needs root and the engine cache (bash scripts/setup-engines). Run:
     .venv/bin/python bench/saturation.py [--seconds 300] [--timeouts 1,2] [--baseline REF]
 """
