@@ -17,6 +17,8 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from llmgw_systemd.helpers.sd_notify import notify
+
 # sd_listen_fds(3): inherited descriptors start here.
 LISTEN_FDS_START = 3
 _ENVIRONMENT = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
@@ -130,27 +132,12 @@ def close_inherited(item: Inherited, sock: socket.socket | None) -> None:
             os.close(item.fd)
 
 
-def _notify_with_fds(message: str, fds: Sequence[int]) -> bool:
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return False
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.connect(address)
-            socket.send_fds(sock, [message.encode("ascii")], list(fds))
-    except OSError:
-        return False
-    return True
-
-
 def store(name: str, sock: socket.socket) -> bool:
     """Hand a copy of the socket to systemd's store under `name` (FileDescriptorStoreMax=
     must allow it); False when there is no service manager to keep it."""
-    return _notify_with_fds(f"FDSTORE=1\nFDNAME={name}", [sock.fileno()])
+    return notify(f"FDSTORE=1\nFDNAME={name}", [sock.fileno()])
 
 
 def unstore(name: str) -> bool:
     """Ask systemd to close what its store holds under `name`."""
-    return _notify_with_fds(f"FDSTOREREMOVE=1\nFDNAME={name}", [])
+    return notify(f"FDSTOREREMOVE=1\nFDNAME={name}")

@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 
 
-def notify(message: str) -> None:
-    """Send one notification (READY=1, STATUS=..., WATCHDOG=1) when systemd asked for
-    them; silently nothing otherwise."""
+def notify(message: str, fds: Sequence[int] = ()) -> bool:
+    """Send one notification (READY=1, STATUS=..., WATCHDOG=1; with `fds`, FDSTORE=1
+    and the descriptors) when systemd asked for them; whether it was sent, never an
+    error."""
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
-        return
+        return False
     if address.startswith("@"):
         address = "\0" + address[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
             sock.connect(address)
-            sock.sendall(message.encode("utf-8", errors="replace"))
+            data = message.encode("utf-8", errors="replace")
+            if fds:
+                socket.send_fds(sock, [data], list(fds))
+            else:
+                sock.sendall(data)
     except OSError:
-        pass
+        return False
+    return True
 
 
 def watchdog_interval() -> float | None:

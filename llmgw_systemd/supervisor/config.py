@@ -36,3 +36,8 @@ class SupervisorConfig:
     peer_max_bytes: int = 1 << 20
     dbus_timeout: float = 5.0
     max_connections: int = 4096
+
+    @property
+    def evidence_dir(self) -> str:
+        """Where a clean stop keeps its evidence for the next start (saved_evidence)."""
+        return self.runtime_dir or self.state_dir

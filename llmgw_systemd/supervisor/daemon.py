@@ -472,7 +472,7 @@ class Supervisor:
         grace until that peer answers (judge.held_over)."""
         now = time.monotonic()
         config = self.config
-        saved, warning = saved_evidence.take(config.runtime_dir or config.state_dir, now,
+        saved, warning = saved_evidence.take(config.evidence_dir, now,
                                              volatile=config.runtime_dir is not None)
         if warning:
             log(warning)
@@ -510,7 +510,7 @@ class Supervisor:
             saved_evidence.boot_id(), probes, served,
             {node: a for node, a in answers.items() if a is not None})
         try:
-            saved_evidence.save(self.config.runtime_dir or self.config.state_dir, record)
+            saved_evidence.save(self.config.evidence_dir, record)
         except StateError as exc:
             log(f"warning: {exc}")
 
@@ -963,7 +963,7 @@ class Supervisor:
             server.attach(self.changes)
             server.start(self.runtime.loop, listener=held)
             self.servers[name] = server
-            kept = held is not None or (server.address[1] == port and store(name, server.listener))
+            kept = held is not None or (name in wanted and store(name, server.listener))
             scheme = "https" if ssl_context is not None else "http"
             shown = f"[{host}]" if ":" in host else host
             log(f"API on {scheme}://{shown}:{server.address[1]}/{api.API_VERSION}/"

@@ -347,9 +347,8 @@ class HttpServer:
         if self._thread is not None or self._loop is not None:
             raise RuntimeError("HttpServer.start() called twice")
         self._cap = self._fd_cap()
-        if listener is not None:
-            listener.setblocking(False)
-        sock = listener if listener is not None else self._bind()
+        sock = self._bind() if listener is None else listener
+        sock.setblocking(False)
         self._sock = sock
         name = sock.getsockname()
         self._address = (str(name[0]), int(name[1]))
