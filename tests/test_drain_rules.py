@@ -379,9 +379,13 @@ NOW = 2000.0
 GEN, PEER_GEN = "aa" * 16, "cc" * 16
 ONE = ReplicaPolicy(name="rep", nodes=("a",), rank=0, serving=True, stability=30,
                     probe_fresh=3, peer_fresh=5, settle=10, drain_delay=DELAY,
-                    drain_timeout=TIMEOUT, target=TARGET, serving_rank=0)
+                    drain_timeout=TIMEOUT, target=TARGET, serving_ranks=(0,))
 TWO = replace(ONE, nodes=("a", "b"))  # rank 0 on a serves HTTP, rank 1 on b
 WORKER = replace(TWO, rank=1, serving=False, target=TARGET)  # b's view of the same replica
+# data parallel with every node serving (vLLM's hybrid mode): a's view, and a third
+# node's, a worker, with ranks 0 and 1 serving
+HYBRID = replace(TWO, serving_ranks=(0, 1))
+HYBRID_WORKER = replace(HYBRID, nodes=("a", "b", "c"), rank=2, serving=False)
 PLANNED_A = f"planned stop of {TARGET} on a"
 PLANNED_B = f"planned stop of {TARGET} on b"
 RESTART_A = f"planned restart of {TARGET} on a"
@@ -396,9 +400,11 @@ def units(job: str = "", active: str = "active", sub: str = "running",
 
 
 def peer(source: str, rank: int, *, draining: str | None = None, drained: bool = False,
-         node: str | None = None) -> dict[str, PeerEvidence]:
-    shard = PeerShard("rep", rank, node or source, READY, "ready as it says", PEER_GEN,
-                      serving=rank == 0, draining=draining, drained=drained)
+         node: str | None = None, serving: bool | None = None, state: State = READY,
+         reason: str = "ready as it says") -> dict[str, PeerEvidence]:
+    shard = PeerShard("rep", rank, node or source, state, reason, PEER_GEN,
+                      serving=rank == 0 if serving is None else serving,
+                      draining=draining, drained=drained)
     return {source: PeerEvidence(source, NOW - 1, True, (shard,))}
 
 
@@ -486,6 +492,53 @@ JUDGED = [
            peers=peer("a", 0, drained=True), draining=PLANNED_B, drained=True,
            stopping=PLANNED, held=True, since=NOW - 10,
            reason="the serving rank has nothing in flight"),
+    # several serving ranks (hybrid): each reports its own part, and a node goes on once
+    # every serving rank is done; none waits on another's wait
+    Judged("two serving nodes, done here, the other still busy: draining", "draining", False,
+           policy=HYBRID, memory=draining_since(NOW - 10, PLANNED_A), local=units("stop"),
+           peers=peer("b", 1, serving=True), progress=(reading(0, NOW - 1),),
+           draining=PLANNED_A, drained=True, stopping=PLANNED, held=True, since=NOW - 10,
+           reason="nothing in flight here; waiting for the other serving ranks"),
+    Judged("two serving nodes, both done: drained", "drained", False, policy=HYBRID,
+           memory=draining_since(NOW - 10, PLANNED_A), local=units("stop"),
+           peers=peer("b", 1, serving=True, drained=True), progress=(reading(0, NOW - 1),),
+           draining=PLANNED_A, drained=True, stopping=PLANNED, held=True, since=NOW - 10,
+           reason="nothing in flight"),
+    Judged("two serving nodes, the other said drained but this one is busy: draining",
+           "draining", False, policy=HYBRID, memory=draining_since(NOW - 10, PLANNED_B),
+           local=units(), peers=peer("b", 1, serving=True, drained=True,
+                                     draining=PLANNED_B),
+           progress=(reading(3, NOW - 1),), held=True, since=NOW - 10,
+           reason="3 request(s) in flight"),
+    Judged("two serving nodes, the other still busy at the timeout: cut short", "drained",
+           False, policy=HYBRID, memory=draining_since(NOW - 25, PLANNED_A),
+           local=units("stop"), peers=peer("b", 1, serving=True),
+           progress=(reading(0, NOW - 1),), draining=PLANNED_A, drained=True,
+           stopping=PLANNED, held=True, since=NOW - 25,
+           reason="ran out waiting for the other serving ranks"),
+    Judged("worker node, one of two serving ranks drained: draining", "draining", False,
+           policy=HYBRID_WORKER, memory=draining_since(NOW - 10, PLANNED_B),
+           local=units("stop"), probe=None,
+           peers={**peer("a", 0, drained=True, draining=PLANNED_B),
+                  **peer("b", 1, serving=True)},
+           stopping=PLANNED, held=True, since=NOW - 10, draining=f"{PLANNED_A[:-2]} c",
+           reason="waiting for the serving rank"),
+    Judged("worker node, both serving ranks drained: drained", "drained", False,
+           policy=HYBRID_WORKER, memory=draining_since(NOW - 10, PLANNED_B),
+           local=units("stop"), probe=None,
+           peers={**peer("a", 0, drained=True, draining=PLANNED_B),
+                  **peer("b", 1, serving=True, drained=True)},
+           drained=True, stopping=PLANNED, held=True, since=NOW - 10,
+           draining=f"{PLANNED_A[:-2]} c", reason="the serving rank has nothing in flight"),
+    # every serving endpoint must answer: one that does not takes the replica out of
+    # rotation on every node, this one's endpoint included (the ranks step together)
+    Judged("two serving nodes, the other's endpoint not answering: out everywhere",
+           DEGRADED, False, policy=HYBRID,
+           peers=peer("b", 1, serving=True, state=DEGRADED,
+                      reason="units up, but HTTP 503 from /health"),
+           reason="HTTP 503 from /health"),
+    Judged("two serving nodes, both answering: ready", READY, True, policy=HYBRID,
+           peers=peer("b", 1, serving=True)),
     # a failed replica is out of rotation already: it stays failed, nothing drains
     Judged("failed replica with a drain cause stays failed", FAILED, False,
            local=units("restart", "failed", "failed", "exit-code"), probe=None,

@@ -68,49 +68,64 @@ ROWS = {
     "vllm ray, two nodes: a Ray head on the leader, the worker only joins": Row(
         f"engine: vllm\nmodel: /m\n{TWO_NODES}",
         {0: ("ray-head", "engine"), 1: ("engine",)},
-        Http(0, "0.0.0.0", 8000, "/m", vllm.PROGRESS),
+        Http((0,), "0.0.0.0", 8000, "/m", vllm.PROGRESS),
         (web(0, 8000), meet(6379)),
         frozenset({"VLLM_HOST_IP", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"}),
         True),
     "vllm ray, one node: the head still binds its port": Row(
         f"engine: vllm\nmodel: /m\n{ONE_NODE}", {0: ("ray-head", "engine")},
-        Http(0, "0.0.0.0", 8000, "/m", vllm.PROGRESS), (web(0, 8000), meet(6379)),
+        Http((0,), "0.0.0.0", 8000, "/m", vllm.PROGRESS), (web(0, 8000), meet(6379)),
         frozenset({"VLLM_HOST_IP", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"}),
         False),
     "vllm mp, two nodes: the master port on rank 0, the served name from args": Row(
         f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nport: 8100\nargs: [--served-model-name, "
         f"x]\n{TWO_NODES}", {0: ("engine",), 1: ("engine",)},
-        Http(0, "0.0.0.0", 8100, "x", vllm.PROGRESS), (web(0, 8100), meet(29500)),
+        Http((0,), "0.0.0.0", 8100, "x", vllm.PROGRESS), (web(0, 8100), meet(29500)),
         frozenset({"VLLM_HOST_IP"}), True),
     "vllm mp with a long drain: the common drain check covers it, not the engine": Row(
         f"engine: vllm\nlaunch_mode: mp\nmodel: /m\ndrain: {{timeout: 25}}\n"
         f"stop_timeout: 35\n{ONE_NODE}", {0: ("engine",)},
-        Http(0, "0.0.0.0", 8000, "/m", vllm.PROGRESS),
+        Http((0,), "0.0.0.0", 8000, "/m", vllm.PROGRESS),
         (web(0, 8000),), frozenset({"VLLM_HOST_IP"}), False, None),
     "vllm mp, one node: no master port": Row(
         f"engine: vllm\nlaunch_mode: mp\nmodel: /m\n{ONE_NODE}", {0: ("engine",)},
-        Http(0, "0.0.0.0", 8000, "/m", vllm.PROGRESS), (web(0, 8000),),
+        Http((0,), "0.0.0.0", 8000, "/m", vllm.PROGRESS), (web(0, 8000),),
         frozenset({"VLLM_HOST_IP"}),
         False),
     # its /health generates a token: a failing /health is work owed (docs/supervisor.md)
     "sglang, two nodes: no --enable-metrics, so no progress to read": Row(
         f"engine: sglang\nmodel: /m\nhost: 127.0.0.1\n{TWO_NODES}",
         {0: ("engine",), 1: ("engine",)},
-        Http(0, "127.0.0.1", 30000, "/m", generating_paths=sglang.GENERATING_PATHS),
+        Http((0,), "127.0.0.1", 30000, "/m", generating_paths=sglang.GENERATING_PATHS),
         (web(0, 30000), meet(20000)), frozenset(), True),
     "sglang with --enable-metrics: its progress series": Row(
         f"engine: sglang\nmodel: /m\nargs: [--enable-metrics]\n{ONE_NODE}",
-        {0: ("engine",)}, Http(0, "0.0.0.0", 30000, "/m", sglang.PROGRESS,
+        {0: ("engine",)}, Http((0,), "0.0.0.0", 30000, "/m", sglang.PROGRESS,
                                sglang.GENERATING_PATHS),
         (web(0, 30000),), frozenset(), False),
     "command: its own sequences; the serving command's bind is its HTTP claim": Row(
-        COMMANDS_2, {0: ("engine",), 1: ("side", "engine")}, Http(0, "0.0.0.0", 9000, None),
+        COMMANDS_2, {0: ("engine",), 1: ("side", "engine")}, Http((0,), "0.0.0.0", 9000, None),
         (web(0, 9000), (1, 7000, "ranks[1].commands[0].binds[0]", "command")), frozenset(),
         False),
     "command, serving rank 1; none named for completions": Row(
         "engine: command\nport: 9000\nserving_rank: 1\nranks: [{commands: [{argv: [/bin/a]}]},"
         f" {{commands: [{{argv: [/bin/b]}}]}}]\n{TWO_NODES}", {0: ("engine",), 1: ("engine",)},
-        Http(1, "0.0.0.0", 9000, None), (web(1, 9000),), frozenset(), False),
+        Http((1,), "0.0.0.0", 9000, None), (web(1, 9000),), frozenset(), False),
+    "vllm data parallel, internal: rank 0 serves and meets the others at its RPC port": Row(
+        f"engine: vllm\nlaunch_mode: mp\nmodel: /m\ndata_parallel_size: 4\n{TWO_NODES}",
+        {0: ("engine",), 1: ("engine",)}, Http((0,), "0.0.0.0", 8000, "/m", vllm.PROGRESS),
+        (web(0, 8000), meet(29550)), frozenset({"VLLM_HOST_IP"}), True),
+    "vllm data parallel, hybrid: every node serves its own ranks": Row(
+        f"engine: vllm\nlaunch_mode: mp\nmodel: /m\ndata_parallel_size: 2\n"
+        f"data_parallel_lb: hybrid\n{TWO_NODES}",
+        {0: ("engine",), 1: ("engine",)}, Http((0, 1), "0.0.0.0", 8000, "/m", vllm.PROGRESS),
+        (web(0, 8000), web(1, 8000), meet(29550)), frozenset({"VLLM_HOST_IP"}), True),
+    "sglang attention data parallel: rank 0 claims the ZMQ ports after the dist-init port": Row(
+        f"engine: sglang\nmodel: /m\ntensor_parallel_size: 4\ndata_parallel_size: 4\n"
+        f"{TWO_NODES}", {0: ("engine",), 1: ("engine",)},
+        Http((0,), "0.0.0.0", 30000, "/m", generating_paths=sglang.GENERATING_PATHS),
+        (web(0, 30000), meet(20000), *(meet(p) for p in range(20001, 20007))), frozenset(),
+        True),
     "command, no rank serves HTTP": Row(
         f"engine: command\nserving_rank: null\nranks: [{{commands: [{{argv: [/bin/a]}}]}}]\n"
         f"{ONE_NODE}", {0: ("engine",)}, None, (), frozenset(), False),
@@ -182,10 +197,13 @@ SAMPLES = {
         "ray_head_args: [--include-dashboard=false]\nray_num_gpus: 1\nray_auth: token\n"
         "ray_token_file: /etc/t",
         "launch_mode: mp\nmodel: /m",
+        "launch_mode: mp\nmodel: /m\ndata_parallel_size: 2\nexpert_parallel_size: 2\n"
+        "data_parallel_lb: hybrid",
     ],
     "sglang": [
         "model: /m\nport: 30001\nhost: 127.0.0.1\ntensor_parallel_size: 2\n"
-        "pipeline_parallel_size: 2\nrendezvous_port: 20001\nargs: [--x]\nvirtualenv: /opt/v",
+        "pipeline_parallel_size: 2\nrendezvous_port: 20001\nargs: [--x]\nvirtualenv: /opt/v\n"
+        "data_parallel_size: 2\nexpert_parallel_size: 2",
     ],
     "command": [
         "serving_rank: 1\nport: 9000\n"
@@ -240,7 +258,7 @@ class Echo:
 
     @property
     def http(self) -> Http:
-        return Http(0, "127.0.0.1", self.port, None)
+        return Http((0,), "127.0.0.1", self.port, None)
 
     def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
         return (Step(name="engine", role="echo server",

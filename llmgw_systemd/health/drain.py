@@ -150,6 +150,22 @@ def progress(drain: Drain, now: float, delay: float, timeout: float, *,
                          f"flight; {delay + timeout - waited:.0f} s left")
 
 
+def with_other_servers(own: DrainProgress, others_drained: bool | None, waited: float,
+                       delay: float, timeout: float) -> DrainProgress:
+    """Where the drain stands on a serving node among other serving ranks (data parallel
+    behind a load balancer: every node serves): drained once its own engine has nothing in
+    flight and every other serving rank reports the same of its own, or when the timeout
+    runs out. Each rank reports only its own part (`own`), so no rank waits on another's
+    wait. others_drained: None when no other rank serves."""
+    if own.phase != DRAINED or others_drained is None or others_drained or own.cut_short:
+        return own
+    if waited >= delay + timeout:
+        return DrainProgress(DRAINED, f"drain timeout ({timeout:g} s) ran out waiting for "
+                             "the other serving ranks", cut_short=True, in_flight=own.in_flight)
+    return DrainProgress(DRAINING, f"{own.reason} here; waiting for the other serving ranks; "
+                         f"{delay + timeout - waited:.0f} s left", in_flight=own.in_flight)
+
+
 # -- the drain step: the first thing every engine unit's ExecStop= does ------------------
 
 @dataclass(frozen=True)

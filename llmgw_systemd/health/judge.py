@@ -51,6 +51,7 @@ from llmgw_systemd.health.drain import (
     origin,
     progress,
     stopping,
+    with_other_servers,
 )
 from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
 from llmgw_systemd.health.group_restart import GIVE_UP, NOW, GroupRestartPolicy, decide
@@ -121,7 +122,7 @@ class ReplicaPolicy:
     drain_delay: float = 5  # the spec's drain (health/drain.py)
     drain_timeout: float = 20
     target: str = ""  # this node's target, as a planned stop of it is described
-    serving_rank: int | None = None  # the rank that serves HTTP, if one does
+    serving_ranks: tuple[int, ...] = ()  # the ranks that serve HTTP (none, one, or several)
 
 
 @dataclass(frozen=True)
@@ -471,18 +472,23 @@ def _drain(policy: ReplicaPolicy, verdict: Verdict, now: float,
     served = memory.routable is not False or (
         memory.routable_at is not None and now - memory.routable_at < policy.drain_delay)
     drain = Drain(now, served, causes) if held is None else replace(held, causes=causes)
-    serving = next((r for r in verdict.ranks if r.rank != policy.rank
-                    and policy.serving_rank == r.rank), None)
+    # the other serving ranks' own parts (each reports whether its engine is done)
+    others = [r.drained for r in verdict.ranks
+              if r.rank != policy.rank and r.rank in policy.serving_ranks]
+    others_drained = all(others) if others else None
     generation = dict(verdict.generations).get(policy.rank, "")
     reading = next((r for r in reversed(readings) if r.generation == generation), None)
-    state = progress(drain, now, policy.drain_delay, policy.drain_timeout,
-                     serving_here=policy.serving,
-                     pending=reading.pending if reading is not None else None,
-                     pending_at=reading.taken_at if reading is not None else None,
-                     serving_drained=None if serving is None else serving.drained)
+    own = progress(drain, now, policy.drain_delay, policy.drain_timeout,
+                   serving_here=policy.serving,
+                   pending=reading.pending if reading is not None else None,
+                   pending_at=reading.taken_at if reading is not None else None,
+                   serving_drained=others_drained)
+    state = own if not policy.serving else with_other_servers(
+        own, others_drained, now - drain.since, policy.drain_delay, policy.drain_timeout)
     if state.phase == DRAINED:
         drain = replace(drain, finished=state)
-    ranks = tuple(replace(r, drained=state.phase == DRAINED) if r.rank == policy.rank else r
+    # what this rank reports: its own part, which the other serving ranks wait for
+    ranks = tuple(replace(r, drained=own.phase == DRAINED) if r.rank == policy.rank else r
                   for r in verdict.ranks)
     phase: State = DRAINED if state.phase == DRAINED else DRAINING
     return replace(verdict, ranks=ranks, routable=False, drain=state,

@@ -428,7 +428,7 @@ class Supervisor:
             restart_hold=replica.stop_timeout + settle,
             drain_delay=replica.drain.delay, drain_timeout=replica.drain.timeout,
             target=shard.plan.target.name,
-            serving_rank=replica.http.rank if replica.http is not None else None,
+            serving_ranks=replica.http.ranks if replica.http is not None else (),
             group_restart=replica.group_restart, require_auth=config.tls is not None,
             follows_leader=replica.engine.follows_leader(len(replica.nodes)),
             completion_fresh=(check.generation.interval + 2 * check.generation.timeout + 1.0
@@ -830,7 +830,8 @@ class Supervisor:
         flight (the serving rank's; rank 0's when none serves); returned for the journal."""
         changes = drain_events(before.drain if before is not None else None, verdict.drain,
                                verdict.memory.drain, now)
-        if policy.serving or (policy.serving_rank is None and policy.rank == 0):
+        if (policy.serving and policy.rank == min(policy.serving_ranks)) or (
+                not policy.serving_ranks and policy.rank == 0):
             for event in changes:
                 self.metrics.count_drain(policy.name, event)
         return changes
@@ -860,6 +861,13 @@ class Supervisor:
             "ranks": [replica_rank(rank=r.rank, node=r.node, state=r.state, reason=r.reason,
                                    loaded=v.loaded, running=v.running)
                       for r, v in zip(verdict.ranks, verdict.versions)],
+            # where it serves HTTP: each serving rank's node and port, with its own
+            # routable check (GET /v1/replicas/NAME.RANK/ready), for a load balancer
+            # that sends to each of them (docs/loadbalancer.md)
+            "endpoints": [{"rank": rank, "node": node.name, "address": node.address,
+                           "port": http.port, "check": f"{name}.{rank}"}
+                          for http in (shard.replica.http,) if http is not None
+                          for rank in http.ranks for node in (shard.replica.nodes[rank],)],
             # "staged: N of M nodes" while ranks wait for the replica's group restart
             "staged": verdict.staged,
             "group_restarts": recent, "next_restart": verdict.next_restart,
@@ -892,9 +900,11 @@ class Supervisor:
                                  group_budget=shard.replica.group_restart.budget)
         busy = " (busy)" if verdict.liveness is not None and verdict.liveness.verdict == BUSY \
             else ""
+        http = shard.replica.http
         readiness = api.Readiness(verdict.routable, (
             f"ready{busy}: {verdict.health.reason}" if verdict.routable
-            else f"{verdict.health.state}: {verdict.health.reason}"))
+            else f"{verdict.health.state}: {verdict.health.reason}"),
+            http.ranks if http is not None else ())
         return report, body, readiness, figures
 
     def _publish(self, local: dict[str, LocalEvidence], now: float,

@@ -251,7 +251,7 @@ def _plan_rank(replica: Replica, rank: int, manager: Manager) -> ShardPlan:
     n = len(replica.nodes)
     node = replica.nodes[rank]
     http = replica.http
-    serves = http is not None and http.rank == rank
+    serves = http is not None and rank in http.ranks
     place = f"rank {rank} of {n} on {node.name}"
     shared_env = _shared_env(replica) + (() if manager.user else cache_env(replica.name))
     own_env = node_env(replica, rank)

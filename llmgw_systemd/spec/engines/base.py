@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # types only: a Protocol costs import time on the render path
 
         @property
         def http(self) -> Http | None:
-            """The serving rank, or None when no rank serves HTTP."""
+            """The serving ranks, or None when no rank serves HTTP."""
             ...
 
         def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
@@ -101,10 +101,12 @@ class Step:
 
 
 class Http(NamedTuple):
-    """The rank that serves HTTP, where the supervisor probes it, and the model name a
-    generation check asks for (None: the request names none and the server picks)."""
+    """The ranks that serve HTTP (each on its own node, at the same host and port), where
+    the supervisor probes them, and the model name a generation check asks for (None:
+    the request names none and the server picks). Most layouts have one serving rank;
+    data parallel with a load balancer in front has one per node (vLLM's hybrid mode)."""
 
-    rank: int
+    ranks: tuple[int, ...]
     host: str
     port: int
     model: str | None
@@ -157,6 +159,18 @@ def refuse_secret_flags(reader: Reader, key: str, args: Sequence[str], path: Key
             raise reader.fail((*path, key, i), f"'{flag}' would put a secret into a "
                              "world-readable unit file; set it through environment_file "
                              "(e.g. VLLM_API_KEY, HF_TOKEN) instead")
+
+
+def refuse_owned_flags(reader: Reader, args: Sequence[str], path: KeyPath,
+                       owned: Mapping[str, str]) -> None:
+    """A flag of `args` that llmgw-render sets from a key (`owned`: flag -> the key): the
+    two would contradict each other, and which one the engine takes is its parser's
+    whim."""
+    for i, arg in enumerate(args):
+        flag = arg.split("=", 1)[0]
+        if flag in owned:
+            raise reader.fail((*path, "args", i), f"'{flag}' is set by llmgw-render from "
+                              f"{owned[flag]}; set that instead")
 
 
 def arguments(what: str) -> Parse[tuple[str, ...]]:

@@ -60,11 +60,12 @@ class Commands:
 
     def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
         http = self.http
-        claims = [] if http is None else [PortClaim(http.rank, http.port, ("port",), "HTTP")]
+        claims = [] if http is None else [PortClaim(rank, http.port, ("port",), "HTTP")
+                                          for rank in http.ranks]
         for rank, commands in enumerate(self.ranks):
             for i, cmd in enumerate(commands):
                 for j, port in enumerate(cmd.binds):
-                    if http is not None and rank == http.rank and port == http.port:
+                    if http is not None and rank in http.ranks and port == http.port:
                         continue  # the serving command binding its own HTTP port: one claim
                     claims.append(PortClaim(rank, port, ("ranks", rank, "commands", i,
                                                          "binds", j), "command"))
@@ -219,7 +220,7 @@ def read(reader: Reader, data: Mapping[str, Any], path: KeyPath, nodes: tuple[No
         raise reader.fail((*path, "progress"), "progress is read from the serving rank, "
                           "but serving_rank is null")
     serving = None if serving_rank is None or http_port is None else Http(
-        serving_rank, HOST, http_port, None, progress)
+        (serving_rank,), HOST, http_port, None, progress)
     return Commands(ranks, serving)
 
 

@@ -30,6 +30,8 @@ class Server:
     rendezvous_port: int
     args: tuple[str, ...]
     virtualenv: str
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1  # 1: the experts are not sharded (no expert parallel)
 
     def bin(self, name: str) -> str:
         return f"{self.virtualenv.rstrip('/')}/bin/{name}"
@@ -37,17 +39,31 @@ class Server:
     def http_args(self) -> tuple[str, ...]:
         return ("--host", self.host, "--port", str(self.port))
 
-    def http(self) -> Http:
-        """Rank 0 serves; completions must name the served model: the first
-        --served-model-name (both engines take it), else the model itself."""
+    def http(self, ranks: tuple[int, ...] = (0,)) -> Http:
+        """The serving ranks (rank 0 unless the engine says more); completions must name
+        the served model: the first --served-model-name (both engines take it), else the
+        model itself."""
         model = flag_value(self.args, "--served-model-name") or self.model
-        return Http(0, self.host, self.port, model)
+        return Http(ranks, self.host, self.port, model)
 
-    def port_claims(self, *, rendezvous: bool) -> tuple[PortClaim, ...]:
-        http = PortClaim(0, self.port, ("port",), "HTTP")
+    def port_claims(self, *, rendezvous: bool, serving: tuple[int, ...] = (0,)
+                    ) -> tuple[PortClaim, ...]:
+        http = tuple(PortClaim(rank, self.port, ("port",), "HTTP") for rank in serving)
         if not rendezvous:
-            return (http,)
-        return (http, PortClaim(0, self.rendezvous_port, ("rendezvous_port",), "rendezvous"))
+            return http
+        return (*http, PortClaim(0, self.rendezvous_port, ("rendezvous_port",), "rendezvous"))
+
+
+def check_gpus(reader: Reader, data: Mapping[str, Any], path: KeyPath, per_node: int,
+               why: str) -> None:
+    """The spec's `gpus` (each node's CUDA_VISIBLE_DEVICES), when given, must be as many as
+    the engine's workers on each node: fewer cannot start, more sit idle."""
+    from llmgw_systemd.spec.common_keys import GPUS  # the common key's own row
+
+    gpus = GPUS.read(reader, data, path)
+    if gpus and len(gpus) != per_node:
+        raise reader.fail((*path, "gpus"), f"expected {per_node} GPUs per node ({why}); "
+                          f"got {len(gpus)}")
 
 
 def read_model(reader: Reader, value: Any, path: KeyPath) -> str:
@@ -69,11 +85,13 @@ class ServerKeys(NamedTuple):
     rendezvous_port: Key[int | None]
     args: Key[tuple[str, ...]]
     virtualenv: Key[str]
+    data_parallel_size: Key[int]
+    expert_parallel_size: Key[int]
 
 
 def server_keys(engine: str, *, http_port: int, rendezvous_port: int | None,
                 rendezvous_shown: str | None = None, tp_flag: str, pp_flag: str,
-                commands: str) -> ServerKeys:
+                dp_flag: str, ep_flag: str, commands: str) -> ServerKeys:
     """The shared keys, with this engine's defaults, for the engine's key table.
     rendezvous_port None: the engine's default depends on more than the engine (vLLM's
     launch mode), and rendezvous_shown says how."""
@@ -93,6 +111,12 @@ def server_keys(engine: str, *, http_port: int, rendezvous_port: int | None,
             "(`--api-key` and other secret flags are refused)"),
         Key("virtualenv", absolute_path("the engine's installation (a virtualenv or prefix)"),
             DEFAULT_VIRTUALENV, f"installation prefix whose `bin/` holds {commands}"),
+        Key("data_parallel_size", integer(1, 4096, "a data parallel size"), 1,
+            f"data parallel size (attention replicated per rank, the ranks stepping in "
+            f"lockstep): {dp_flag}"),
+        Key("expert_parallel_size", integer(1, 65536, "an expert parallel size"), 1,
+            f"GPUs the experts of a mixture-of-experts model are sharded over (1: off): "
+            f"{ep_flag}"),
     )
 
 
@@ -110,4 +134,6 @@ def read_server(reader: Reader, data: Mapping[str, Any], path: KeyPath, keys: Se
         host=keys.host.read(reader, data, path),
         args=keys.args.read(reader, data, path),
         virtualenv=keys.virtualenv.read(reader, data, path),
+        data_parallel_size=keys.data_parallel_size.read(reader, data, path),
+        expert_parallel_size=keys.expert_parallel_size.read(reader, data, path),
     )

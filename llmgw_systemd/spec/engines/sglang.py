@@ -20,10 +20,11 @@ from llmgw_systemd.spec.engines.base import (
     PortClaim,
     ProgressSeries,
     Step,
+    refuse_owned_flags,
     uses_rendezvous,
     wildcard,
 )
-from llmgw_systemd.spec.engines.server import Server, read_server, server_keys
+from llmgw_systemd.spec.engines.server import Server, check_gpus, read_server, server_keys
 from llmgw_systemd.spec.reader import Reader
 
 if TYPE_CHECKING:
@@ -41,6 +42,22 @@ PROGRESS = ProgressSeries("/metrics", ("sglang:realtime_tokens_total",),
 # work answers it, a frozen scheduler never does (http_server.py, 0.5.23)
 GENERATING_PATHS = ("/health", "/health_generate")
 RENDEZVOUS_PORT = 20000
+# With attention data parallel, the ZMQ ports SGLang derives from the dist-init port
+# (PortArgs.init_new in server_args.py, 0.5.23; they moved between versions)
+ZMQ_DERIVED_PORTS = 6
+ZMQ_PORT_DELTA = 233  # from the HTTP port, on one node without --dist-init-addr
+# Flags the units set from keys, with SGLang's other spellings (0.5.23)
+OWNED_FLAGS = {
+    **dict.fromkeys(("--model-path", "--model"), "model"),
+    **dict.fromkeys(("--host", "--port"), "host and port"),
+    **dict.fromkeys(("--tp-size", "--tensor-parallel-size"), "tensor_parallel_size"),
+    **dict.fromkeys(("--pp-size", "--pipeline-parallel-size"), "pipeline_parallel_size"),
+    **dict.fromkeys(("--nnodes", "--node-rank", "--dist-init-addr", "--nccl-init-addr"),
+                    "nodes and rendezvous_port"),
+    **dict.fromkeys(("--attn-dp-size", "--attention-data-parallel-size", "--dp-size",
+                     "--data-parallel-size", "--enable-dp-attention"), "data_parallel_size"),
+    **dict.fromkeys(("--ep-size", "--expert-parallel-size", "--ep"), "expert_parallel_size"),
+}
 
 
 @dataclass(frozen=True)
@@ -65,6 +82,10 @@ class Sglang:
                                  "--tp-size", str(server.tensor_parallel_size))
         if server.pipeline_parallel_size > 1:
             argv += ("--pp-size", str(server.pipeline_parallel_size))
+        if server.data_parallel_size > 1:
+            argv += ("--attn-dp-size", str(server.data_parallel_size))
+        if server.expert_parallel_size > 1:
+            argv += ("--ep-size", str(server.expert_parallel_size))
         n = len(nodes)
         wait_for: tuple[Endpoint, ...] = ()
         frees: tuple[Endpoint, ...] = ()
@@ -82,7 +103,19 @@ class Sglang:
                      frees=frees, main_drains=rank == 0),)
 
     def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
-        return self.server.port_claims(rendezvous=uses_rendezvous(n_nodes))
+        server = self.server
+        claims = server.port_claims(rendezvous=uses_rendezvous(n_nodes))
+        if server.data_parallel_size == 1:
+            return claims
+        # Attention data parallel talks ZMQ over TCP: rank 0 binds a run of ports derived
+        # from the dist-init port (on one node, from the HTTP port). Claimed, so another
+        # replica's port inside the run is an error here, not "address in use" there.
+        base = server.rendezvous_port if uses_rendezvous(n_nodes) else \
+            server.port + ZMQ_PORT_DELTA
+        first = base + 1 if base + ZMQ_DERIVED_PORTS <= 65535 else base - ZMQ_DERIVED_PORTS - 1
+        key = "rendezvous_port" if uses_rendezvous(n_nodes) else "port"
+        return (*claims, *(PortClaim(0, port, (key,), "rendezvous")
+                           for port in range(first, first + ZMQ_DERIVED_PORTS)))
 
     def reserved_env(self) -> Mapping[str, str]:
         return {}
@@ -96,12 +129,39 @@ class Sglang:
 
 KEYS = server_keys("sglang", http_port=HTTP_PORT, rendezvous_port=RENDEZVOUS_PORT,
                    tp_flag="`--tp-size`, which spans all nodes",
-                   pp_flag="`--pp-size`, given when above 1", commands="`python`")
+                   pp_flag="`--pp-size`, given when above 1",
+                   dp_flag="`--attn-dp-size` (attention data parallel inside the "
+                   "tensor-parallel group: a divisor of tensor_parallel_size), given when "
+                   "above 1; rank 0 then also binds the 6 ports after rendezvous_port",
+                   ep_flag="`--ep-size`, given when above 1: 1 or tensor_parallel_size",
+                   commands="`python`")
 
 
 def read(reader: Reader, data: Mapping[str, Any], path: KeyPath, nodes: tuple[Node, ...]
          ) -> Sglang:
-    return Sglang(read_server(reader, data, path, KEYS, rendezvous_port=RENDEZVOUS_PORT))
+    server = read_server(reader, data, path, KEYS, rendezvous_port=RENDEZVOUS_PORT)
+    refuse_owned_flags(reader, server.args, path, OWNED_FLAGS)
+    tp, dp, ep = (server.tensor_parallel_size, server.data_parallel_size,
+                  server.expert_parallel_size)
+    if tp % dp:
+        raise reader.fail((*path, "data_parallel_size"), "SGLang's attention data "
+                          "parallel runs inside the tensor-parallel group: expected a "
+                          f"divisor of tensor_parallel_size ({tp}); got {dp}")
+    if ep not in (1, tp):
+        raise reader.fail((*path, "expert_parallel_size"), "SGLang shards the experts over "
+                          f"the tensor-parallel group: expected 1 (off) or "
+                          f"tensor_parallel_size ({tp}); got {ep}")
+    n = len(nodes)
+    if dp > 1:
+        if (tp * server.pipeline_parallel_size) % n:
+            raise reader.fail((*path, "tensor_parallel_size"), "expected the "
+                              "tensor-parallel workers to divide evenly over the "
+                              f"{n} nodes; got {tp} x {server.pipeline_parallel_size} "
+                              "(tensor x pipeline)")
+        check_gpus(reader, data, path, tp * server.pipeline_parallel_size // n,
+                   f"tensor_parallel_size {tp} x pipeline_parallel_size "
+                   f"{server.pipeline_parallel_size} over {n} node(s)")
+    return Sglang(server)
 
 
 ENTRY = EngineEntry(

@@ -25,10 +25,11 @@ from llmgw_systemd.spec.engines.base import (
     ProgressSeries,
     Step,
     arguments,
+    refuse_owned_flags,
     uses_rendezvous,
     wildcard,
 )
-from llmgw_systemd.spec.engines.server import Server, read_server, server_keys
+from llmgw_systemd.spec.engines.server import Server, check_gpus, read_server, server_keys
 from llmgw_systemd.spec.keys import Key, absolute_path, choice, integer, seconds
 from llmgw_systemd.spec.policies import DRAIN
 from llmgw_systemd.spec.reader import Reader
@@ -62,6 +63,13 @@ HTTP_PORT = 8000
 PROGRESS = ProgressSeries("/metrics", ("vllm:iteration_tokens_total_count",),
                           ("vllm:num_requests_running", "vllm:num_requests_waiting"))
 RENDEZVOUS_PORT: dict[LaunchMode, int] = {"ray": 6379, "mp": 29500}
+# With data parallel the ranks meet at rank 0's --data-parallel-rpc-port (vLLM's default)
+DP_RPC_PORT = 29550
+# Who serves HTTP with data parallel (docs/engines.md, "Data parallel"): `internal`, rank
+# 0's API server balances over every data-parallel rank and the other nodes run headless;
+# `hybrid`, every node serves its own ranks and a load balancer spreads over the nodes.
+DataParallelLb = Literal["internal", "hybrid"]
+DP_LB_MODES: tuple[DataParallelLb, ...] = ("internal", "hybrid")
 RayAuth = Literal["disabled", "token"]
 RAY_AUTH_MODES: tuple[RayAuth, ...] = ("disabled", "token")
 DEFAULT_RAY_TOKEN_FILE = "/etc/llmgw/ray-token"  # noqa: S105 - a path, not a secret
@@ -163,21 +171,35 @@ class Vllm:
     launch: Launch
     distributed_timeout: int | None  # --distributed-timeout-seconds; None: vLLM's own
     shutdown_timeout: int  # --shutdown-timeout of the serving rank: drain.timeout
+    n_nodes: int = 1
+    data_parallel_lb: DataParallelLb = "internal"
 
     @property
     def name(self) -> str:
         return "vllm"
 
     @property
+    def data_parallel(self) -> bool:
+        return self.server.data_parallel_size > 1
+
+    @property
+    def serving_ranks(self) -> tuple[int, ...]:
+        """Rank 0, or with hybrid load balancing every node's rank."""
+        if self.data_parallel and self.data_parallel_lb == "hybrid":
+            return tuple(range(self.n_nodes))
+        return (0,)
+
+    @property
     def http(self) -> Http:
-        return self.server.http()._replace(progress=PROGRESS)
+        return self.server.http(self.serving_ranks)._replace(progress=PROGRESS)
 
     def steps(self, replica: str, nodes: Sequence[Node], rank: int) -> tuple[Step, ...]:
         return self.launch.steps(self, replica, nodes, rank)
 
     def port_claims(self, n_nodes: int) -> tuple[PortClaim, ...]:
         return self.server.port_claims(
-            rendezvous=self.launch.binds_rendezvous_alone or uses_rendezvous(n_nodes))
+            rendezvous=self.launch.binds_rendezvous_alone or uses_rendezvous(n_nodes),
+            serving=self.serving_ranks)
 
     def reserved_env(self) -> Mapping[str, str]:
         return self.launch.reserved_env()
@@ -191,8 +213,15 @@ class Vllm:
 
 SERVER_KEYS = server_keys(
     "vllm", http_port=HTTP_PORT, rendezvous_port=None,
-    rendezvous_shown=", ".join(f"{mode} {port}" for mode, port in RENDEZVOUS_PORT.items()),
-    tp_flag="`--tensor-parallel-size`", pp_flag="`--pipeline-parallel-size`",
+    rendezvous_shown=", ".join(f"{mode} {port}" for mode, port in RENDEZVOUS_PORT.items())
+    + f", data parallel {DP_RPC_PORT}",
+    tp_flag="`--tensor-parallel-size`, of each data-parallel rank",
+    pp_flag="`--pipeline-parallel-size`",
+    dp_flag="`--data-parallel-size`, with launch_mode mp, spread evenly over the nodes "
+    "(`--data-parallel-size-local`, `--data-parallel-start-rank`; the nodes meet at rank "
+    "0's `--data-parallel-rpc-port`, which is rendezvous_port)",
+    ep_flag="`--enable-expert-parallel`, which shards the experts over every GPU of the "
+    "data- and tensor-parallel ranks: 1 or data_parallel_size x tensor_parallel_size",
     commands="`vllm` and `ray`")
 LAUNCH_MODE = Key("launch_mode", choice(LAUNCH_MODES), LAUNCH_MODES[0],
                   "`ray`: rank 0 runs a Ray head sidecar and `vllm serve "
@@ -200,6 +229,14 @@ LAUNCH_MODE = Key("launch_mode", choice(LAUNCH_MODES), LAUNCH_MODES[0],
                   "the other ranks run only `ray start --address=LEADER:PORT --block`. `mp`: "
                   "every rank runs `vllm serve --nnodes N --node-rank K --master-addr LEADER "
                   "--master-port P`, `--headless` on ranks >= 1.")
+DATA_PARALLEL_LB = Key(
+    "data_parallel_lb", choice(DP_LB_MODES), DP_LB_MODES[0],
+    "(data parallel over nodes) who serves HTTP. `internal`: rank 0's API server, which "
+    "balances over every data-parallel rank; the other nodes run `--headless`. `hybrid`: "
+    "every node serves its own ranks on `port` (`--data-parallel-hybrid-lb`; vLLM makes "
+    "it its external mode when each node has one rank, which it takes for "
+    "mixture-of-experts models only) and the load balancer in front spreads over the "
+    "nodes (docs/loadbalancer.md)")
 DISTRIBUTED_TIMEOUT: Key[int | None] = Key(
     "distributed_timeout", seconds(1, 86400), None, "`--distributed-timeout-seconds`: how "
     "long ranks wait for each other in torch.distributed; with mp a lone rank 1 exits after "
@@ -230,8 +267,25 @@ RAY_TOKEN_FILE: Key[str | None] = Key(
     "/etc/llmgw/ray-token; chmod 600`); a missing file fails the units at start with status "
     "243/CREDENTIALS, naming it in the journal",
     shown=f"`{DEFAULT_RAY_TOKEN_FILE}` with `ray_auth: token`")
-KEYS = (LAUNCH_MODE, *SERVER_KEYS, DISTRIBUTED_TIMEOUT, RAY_ARGS, RAY_HEAD_ARGS,
+KEYS = (LAUNCH_MODE, *SERVER_KEYS, DATA_PARALLEL_LB, DISTRIBUTED_TIMEOUT, RAY_ARGS, RAY_HEAD_ARGS,
         RAY_NUM_GPUS, RAY_AUTH, RAY_TOKEN_FILE)
+# Flags the units set from keys, with their short spellings (vLLM 0.32's arg_utils.py)
+OWNED_FLAGS = {
+    **dict.fromkeys(("--host", "--port"), "host and port"),
+    **dict.fromkeys(("--tensor-parallel-size", "-tp"), "tensor_parallel_size"),
+    **dict.fromkeys(("--pipeline-parallel-size", "-pp"), "pipeline_parallel_size"),
+    **dict.fromkeys(("--distributed-executor-backend",), "launch_mode"),
+    **dict.fromkeys(("--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port",
+                     "--headless"), "nodes and rendezvous_port"),
+    **dict.fromkeys(("--data-parallel-size", "-dp", "--data-parallel-size-local", "-dpl",
+                     "--data-parallel-start-rank", "-dpr", "--data-parallel-address", "-dpa",
+                     "--data-parallel-rpc-port", "-dpp", "--data-parallel-backend", "-dpb",
+                     "--data-parallel-rank", "-dpn"),
+                    "data_parallel_size, nodes and rendezvous_port"),
+    **dict.fromkeys(("--data-parallel-hybrid-lb", "-dph", "--data-parallel-external-lb",
+                     "-dpe"), "data_parallel_lb"),
+    **dict.fromkeys(("--enable-expert-parallel", "-ep"), "expert_parallel_size"),
+}
 # launch_mode ray's own keys: the table's, by their prefix
 RAY_KEYS = tuple(k.name for k in KEYS if k.name.startswith("ray_"))
 
@@ -239,8 +293,9 @@ RAY_KEYS = tuple(k.name for k in KEYS if k.name.startswith("ray_"))
 def read(reader: Reader, data: Mapping[str, Any], path: KeyPath, nodes: tuple[Node, ...]
          ) -> Vllm:
     mode = LAUNCH_MODE.read(reader, data, path)
+    data_parallel = SERVER_KEYS.data_parallel_size.read(reader, data, path) > 1
     server = read_server(reader, data, path, SERVER_KEYS,
-                         rendezvous_port=RENDEZVOUS_PORT[mode])
+                         rendezvous_port=DP_RPC_PORT if data_parallel else RENDEZVOUS_PORT[mode])
     for rank, node in enumerate(nodes):
         if not is_ip(node.address):
             raise reader.fail((*path, "nodes", rank, "address"), "expected an IP address "
@@ -261,8 +316,39 @@ def read(reader: Reader, data: Mapping[str, Any], path: KeyPath, nodes: tuple[No
             raise reader.fail((*path, "args", i), f"'{SHUTDOWN_FLAG}' is set by llmgw-render "
                               "from drain.timeout (the serving rank's drain on a planned "
                               "stop); set drain: {timeout: N} instead")
+    refuse_owned_flags(reader, server.args, path, OWNED_FLAGS)
+    lb = DATA_PARALLEL_LB.read(reader, data, path)
+    _check_parallel(reader, data, path, server, mode, lb, len(nodes))
     return Vllm(server, launch, DISTRIBUTED_TIMEOUT.read(reader, data, path),
-                DRAIN.read(reader, data, path).timeout)
+                DRAIN.read(reader, data, path).timeout, len(nodes), lb)
+
+
+def _check_parallel(reader: Reader, data: Mapping[str, Any], path: KeyPath, server: Server,
+                    mode: LaunchMode, lb: DataParallelLb, n_nodes: int) -> None:
+    """What vLLM takes of data and expert parallel (its arg_utils.py, 0.32)."""
+    dp, tp = server.data_parallel_size, server.tensor_parallel_size
+    if dp > 1 and mode != "mp":
+        raise reader.fail((*path, "data_parallel_size"), "data parallel needs launch_mode: "
+                          "mp (vLLM's own data-parallel processes; its Ray data-parallel "
+                          "backend is not supported)")
+    if dp > 1 and dp % n_nodes:
+        raise reader.fail((*path, "data_parallel_size"), f"expected a multiple of the "
+                          f"{n_nodes} nodes (each node runs as many data-parallel ranks); "
+                          f"got {dp}")
+    if server.expert_parallel_size not in (1, dp * tp):
+        raise reader.fail((*path, "expert_parallel_size"), "vLLM shards the experts over "
+                          "every GPU of the data- and tensor-parallel ranks: expected 1 (off) "
+                          f"or data_parallel_size x tensor_parallel_size = {dp * tp}; got "
+                          f"{server.expert_parallel_size}")
+    if lb == "hybrid" and (dp == 1 or n_nodes == 1):
+        raise reader.fail((*path, "data_parallel_lb"), "hybrid load balancing needs "
+                          "data-parallel ranks on more than one node (data_parallel_size "
+                          "above 1, two nodes or more)", at_key=True)
+    if dp > 1:
+        per_node = dp // n_nodes
+        check_gpus(reader, data, path, per_node * tp * server.pipeline_parallel_size,
+                   f"{per_node} data-parallel rank(s) x tensor_parallel_size {tp} x "
+                   f"pipeline_parallel_size {server.pipeline_parallel_size}")
 
 
 def _read_ray(reader: Reader, data: Mapping[str, Any], path: KeyPath) -> RayLaunch:
@@ -367,6 +453,8 @@ def _ray_steps(vllm: Vllm, ray: RayLaunch, replica: str, nodes: Sequence[Node], 
 
 
 def _mp_step(vllm: Vllm, nodes: Sequence[Node], rank: int) -> Step:
+    if vllm.data_parallel:
+        return _dp_step(vllm, nodes, rank)
     server = vllm.server
     address = nodes[rank].address
     argv: tuple[str, ...] = (server.bin("vllm"), "serve", server.model)
@@ -393,3 +481,44 @@ def _mp_step(vllm: Vllm, nodes: Sequence[Node], rank: int) -> Step:
                 env=(("VLLM_HOST_IP", address),), clean_exit_statuses=VLLM_CLEAN_EXIT,
                 clean_exit_signals=VLLM_CLEAN_SIGNALS, stop_with_grace=True,
                 main_drains=rank == 0)
+
+
+def _dp_step(vllm: Vllm, nodes: Sequence[Node], rank: int) -> Step:
+    """Data parallel: each node runs its share of the data-parallel ranks (each with its
+    own tensor-parallel workers); rank 0 hosts the data-parallel handshake at its RPC
+    port, which the others dial and retry by themselves (docs/engines.md). Rank 0 serves
+    HTTP, and with hybrid load balancing every node does, for its own ranks."""
+    server = vllm.server
+    address = nodes[rank].address
+    n = len(nodes)
+    local = server.data_parallel_size // n
+    serves = rank in vllm.serving_ranks
+    argv: tuple[str, ...] = (server.bin("vllm"), "serve", server.model,
+                             *(server.http_args() if serves else ()), *_parallel_args(vllm),
+                             "--distributed-executor-backend", "mp",
+                             "--data-parallel-size", str(server.data_parallel_size),
+                             "--data-parallel-backend", "mp")
+    if server.expert_parallel_size > 1:
+        argv += ("--enable-expert-parallel",)
+    frees: tuple[Endpoint, ...] = ()
+    if uses_rendezvous(n):
+        rpc = Endpoint(nodes[0].address, server.rendezvous_port)
+        argv += ("--data-parallel-size-local", str(local), "--data-parallel-address",
+                 rpc.host, "--data-parallel-rpc-port", str(rpc.port))
+        if rank > 0:
+            argv += ("--data-parallel-start-rank", str(rank * local))
+        else:
+            frees = (Endpoint(wildcard(address), rpc.port),)
+        if vllm.data_parallel_lb == "hybrid":
+            argv += ("--data-parallel-hybrid-lb",)
+        elif rank > 0:
+            argv += ("--headless",)
+    argv += (*_distributed_args(vllm), *(_drain_args(vllm) if serves else ()))
+    first = rank * local
+    ranks = f"data-parallel rank {first}" if local == 1 else \
+        f"data-parallel ranks {first}-{first + local - 1}"
+    role = f"vLLM {ranks}" + ("" if serves else ", headless")
+    return Step(name="engine", role=role, argv=argv + server.args, frees=frees,
+                env=(("VLLM_HOST_IP", address),), clean_exit_statuses=VLLM_CLEAN_EXIT,
+                clean_exit_signals=VLLM_CLEAN_SIGNALS, stop_with_grace=True,
+                main_drains=serves)

@@ -29,10 +29,13 @@ TEXT = "text/plain; charset=utf-8"
 
 class Readiness(NamedTuple):
     """What `GET /v1/replicas/NAME/ready` answers: whether a gateway should send the
-    replica new requests, and one line saying why."""
+    replica new requests, and one line saying why. The same for each serving endpoint
+    (`NAME.RANK`): the ranks of one replica step together, so every endpoint is in
+    rotation exactly while the replica is."""
 
     routable: bool
     line: str
+    serving: tuple[int, ...] = (0,)  # the ranks that serve HTTP: the endpoints
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one per judgement
@@ -70,10 +73,24 @@ def _ready(published: Published, name: str) -> Response:
     """For load balancers (HAProxy's httpchk, Envoy, nginx, keepalived, cloud health
     checks): 200 while a gateway should send the replica new requests, 503 otherwise
     (starting, degraded, draining, drained, stopped, failed), one line saying why."""
-    found = published.ready.get(name)
+    replica, rank = endpoint(name)
+    found = published.ready.get(replica)
     if found is None:
-        return Response(404, f"no replica '{name}' on this node\n".encode(), TEXT)
+        return Response(404, f"no replica '{replica}' on this node\n".encode(), TEXT)
+    if rank is not None and rank not in found.serving:
+        serving = ", ".join(map(str, found.serving)) or "none"
+        return Response(404, f"rank {rank} of '{replica}' serves no HTTP (its serving "
+                        f"ranks: {serving})\n".encode(), TEXT)
     return Response(200 if found.routable else 503, f"{found.line}\n".encode(), TEXT)
+
+
+def endpoint(name: str) -> tuple[str, int | None]:
+    """A readiness check's name: a replica, or one serving endpoint of it, `NAME.RANK`
+    (a HAProxy server name, unique in its backend; a replica name has no dot)."""
+    replica, dot, rank = name.rpartition(".")
+    if dot and replica and rank.isdigit() and len(rank) <= 4:
+        return replica, int(rank)
+    return name, None
 
 
 def _error(status: int, message: str) -> Response:
@@ -129,11 +146,11 @@ async def handle(request: Request, current: Callable[[], Published], changes: Ch
     prefix = f"/{API_VERSION}/replicas/"
     if path.startswith(prefix):
         name, slash, sub = path[len(prefix):].partition("/")
+        if sub == READY_PATH and is_replica_name(endpoint(name)[0]):
+            return _ready(current(), name)
         if not is_replica_name(name) or (slash and sub != READY_PATH):
             return _error(404, "not a replica name" if not is_replica_name(name)
                           else f"no such route (try {prefix}{name}/{READY_PATH})")
-        if sub == READY_PATH:
-            return _ready(current(), name)
         found = current().replica.get(name)
         if found is None:
             return _error(404, f"no replica '{name}' on this node")
