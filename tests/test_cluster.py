@@ -50,7 +50,8 @@ WHERE = {"b": "10.0.0.2:9470"}
 def test_peer_rows(view: PeerView | None, state: State, reason: str, source: str) -> None:
     rows = cluster_rows(REPLICAS, "a", {"rep": ("ready", "serving")},
                         {"b": view} if view else {}, WHERE)
-    assert rows == [Row("rep", 0, 2, "a", "ready", "serving", "systemd"),
+    # rank 0 serves HTTP on vLLM's port; rank 1 serves none
+    assert rows == [Row("rep", 0, 2, "a", "ready", "serving", "systemd", 8000),
                     Row("rep", 1, 2, "b", state, reason, source)]
     assert all_ready(rows) is (state == "ready")
 
@@ -88,3 +89,13 @@ OLD, NEW = "1" * 16, "2" * 16
 ])
 def test_staged_lines(mine: RankVersion, peer: PeerView, lines: list[str]) -> None:
     assert staged_lines(REPLICAS, "a", {"rep": mine}, {"b": peer}) == lines
+
+
+def test_every_serving_rank_says_its_port() -> None:
+    """A data-parallel replica in hybrid mode serves on every node: each row says so."""
+    text = SPEC.replace("    model: /m\n", "    model: /m\n    launch_mode: mp\n"
+                        "    data_parallel_size: 2\n    data_parallel_lb: hybrid\n")
+    replicas = build_spec([parse(text.encode(), "s.yaml")]).replicas
+    rows = cluster_rows(replicas, "a", {"rep": ("ready", "serving")},
+                        {"b": PeerView("b", (B_READY,))}, WHERE)
+    assert [(r.rank, r.http) for r in rows] == [(0, 8000), (1, 8000)]

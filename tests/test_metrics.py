@@ -111,3 +111,21 @@ def test_unroutable_since(routable: bool, before: float | str | None,
             else ReplicaFigures("a", "failed", 0, 0, "failed", (),
                                 unroutable_since=float(before)))
     assert unroutable_since(routable, last, 100.0) == expected
+
+
+def test_each_serving_endpoint_is_exported() -> None:
+    """A replica with several serving endpoints (data parallel, hybrid) has one series per
+    endpoint, routable as the replica is; a replica with none has none."""
+    current = Figures((
+        ReplicaFigures("dp", "ready", 0, 0, "ready", (), routable=True,
+                       endpoints=(("dp.0", "a", 8000), ("dp.1", "b", 8000))),
+        ReplicaFigures("tp", "degraded", 0, 0, "degraded", (), routable=False,
+                       endpoints=(("tp.0", "a", 8001),)),
+        ReplicaFigures("batch", "ready", 0, 0, "ready", (), routable=True)))
+    got = {labels: value for (name, labels), value in
+           samples(SupervisorMetrics(lambda: current, dict)).items()
+           if name == "llmgw_endpoint_routable"}
+    assert got == {
+        (("replica", "dp"), ("endpoint", "dp.0"), ("node", "a"), ("port", "8000")): 1,
+        (("replica", "dp"), ("endpoint", "dp.1"), ("node", "b"), ("port", "8000")): 1,
+        (("replica", "tp"), ("endpoint", "tp.0"), ("node", "a"), ("port", "8001")): 0}

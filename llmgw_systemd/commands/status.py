@@ -110,24 +110,32 @@ def _frame(bus: SystemdBus, shards: list[LocalShard], node_name: str, user_manag
         return _cluster([s.replica for s in shards], node_name, statuses, versions,
                         as_json, peer_port=peer_port, timeout=timeout, tls=tls)
     code = 0 if all(s.health.state == READY for s in statuses) else 3
+    serves = {shard.replica.name: shard.replica.http.port if shard.serving
+              and shard.replica.http is not None else None for shard in shards}
     if as_json:
         return [json.dumps([{
             "replica": s.replica, "rank": s.rank, "ranks": s.ranks, "node": s.node,
-            "state": s.health.state, "reason": s.health.reason,
+            "http": serves[s.replica], "state": s.health.state, "reason": s.health.reason,
             "spec": {"loaded": versions[s.replica].loaded,
                      "running": versions[s.replica].running},
             "units": {u.name: {"active": u.active_state, "sub": u.sub_state,
                                "result": u.result, "restarts": u.n_restarts}
                       for u in s.units}} for s in statuses], indent=2)], code
-    lines = _table([("REPLICA", "RANK", "NODE", "STATE", "REASON")] + [
-        (s.replica, f"{s.rank}/{s.ranks}", s.node, s.health.state, s.health.reason)
-        for s in statuses])
+    lines = _table([("REPLICA", "RANK", "NODE", "HTTP", "STATE", "REASON")] + [
+        (s.replica, f"{s.rank}/{s.ranks}", s.node, _port(serves[s.replica]), s.health.state,
+         s.health.reason) for s in statuses])
     lines += _drain_notes([s.replica for s in statuses], user_manager)
     lines += [f"replica {replica}: staged on this node: its engine runs "
               f"{v.running[:DIGEST_SHOWN]}, its units carry {v.loaded[:DIGEST_SHOWN]}; it "
               "restarts once when the last of its nodes applies (--cluster: how many)"
               for replica, v in versions.items() if v.staged]
     return lines, code
+
+
+def _port(port: int | None) -> str:
+    """The HTTP column: the port a serving rank serves on, `-` for a rank that serves none
+    (every rank of a data-parallel replica in hybrid mode serves)."""
+    return "-" if port is None else f":{port}"
 
 
 def _local_version(status: ShardStatus, engine: str) -> RankVersion:
@@ -179,9 +187,10 @@ def _cluster(replicas: list[Replica], node: str, statuses: list[ShardStatus],
     code = 0 if all_ready(rows) else 3
     if as_json:
         return [json.dumps([{"replica": r.replica, "rank": r.rank, "ranks": r.ranks,
-                             "node": r.node, "state": r.state, "reason": r.reason,
-                             "source": r.source} for r in rows], indent=2)], code
-    lines = _table([("REPLICA", "RANK", "NODE", "STATE", "SOURCE", "REASON")] + [
-        (r.replica, f"{r.rank}/{r.ranks}", r.node, r.state, r.source, r.reason)
+                             "node": r.node, "http": r.http, "state": r.state,
+                             "reason": r.reason, "source": r.source} for r in rows],
+                           indent=2)], code
+    lines = _table([("REPLICA", "RANK", "NODE", "HTTP", "STATE", "SOURCE", "REASON")] + [
+        (r.replica, f"{r.rank}/{r.ranks}", r.node, _port(r.http), r.state, r.source, r.reason)
         for r in rows])
     return lines + list(staged_lines(replicas, node, versions, views)), code

@@ -38,6 +38,7 @@ class Row:
     state: State
     reason: str
     source: str  # "systemd" (this node) or whose supervisor said it
+    http: int | None = None  # the HTTP port this rank serves, None when it serves none
 
 
 def cluster_rows(replicas: Sequence[Replica], node: str,
@@ -48,15 +49,19 @@ def cluster_rows(replicas: Sequence[Replica], node: str,
     rows = []
     for replica in replicas:
         n = len(replica.nodes)
+        http = replica.http
         for rank, member in enumerate(replica.nodes):
+            serves = http.port if http is not None and rank in http.ranks else None
             if member.name == node:
                 state, reason = local.get(replica.name, (UNKNOWN, "not read"))
-                rows.append(Row(replica.name, rank, n, member.name, state, reason, "systemd"))
+                rows.append(Row(replica.name, rank, n, member.name, state, reason, "systemd",
+                                serves))
                 continue
             state, reason, source = _peer_rank(replica.name, rank, member.name,
                                                peers.get(member.name),
                                                address.get(member.name, member.address))
-            rows.append(Row(replica.name, rank, n, member.name, state, reason, source))
+            rows.append(Row(replica.name, rank, n, member.name, state, reason, source,
+                            serves))
     return rows
 
 

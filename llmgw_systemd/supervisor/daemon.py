@@ -68,7 +68,7 @@ from llmgw_systemd.helpers.sd_notify import notify, watchdog_interval
 from llmgw_systemd.spec.document import Document
 from llmgw_systemd.spec.endpoint import local_address
 from llmgw_systemd.spec.files import read_each, spec_files
-from llmgw_systemd.spec.model import Spec
+from llmgw_systemd.spec.model import Replica, Spec
 from llmgw_systemd.spec.replicas import collect_spec, keep_last_good
 from llmgw_systemd.supervisor import drain_requests, saved_evidence
 from llmgw_systemd.supervisor.config import SupervisorConfig
@@ -128,6 +128,12 @@ KINDS = (HEALTH, GENERATION, PROGRESS)
 # One replica's published part: (its shard report, its /v1/replicas body, what its
 # /ready says, its figures for the metrics)
 View = tuple[dict[str, Any], bytes, api.Readiness, ReplicaFigures]
+
+
+def endpoints(replica: Replica) -> tuple[tuple[str, int], ...]:
+    """Each serving endpoint of the replica: (its check name NAME.RANK, its rank)."""
+    http = replica.http
+    return () if http is None else tuple((f"{replica.name}.{rank}", rank) for rank in http.ranks)
 
 
 def engine_started(evidence: LocalEvidence | None) -> int | None:
@@ -856,6 +862,7 @@ class Supervisor:
                             "result": u.result, "restarts": u.n_restarts} for u in units})
         window = self.policies[name].group_restart.window
         recent = sum(1 for t in verdict.memory.restarts if now - t < window)
+        http_port = shard.replica.http.port if shard.replica.http is not None else 0
         body = api.encode({
             "name": name, "state": verdict.health.state, "reason": verdict.health.reason,
             "ranks": [replica_rank(rank=r.rank, node=r.node, state=r.state, reason=r.reason,
@@ -865,9 +872,9 @@ class Supervisor:
             # routable check (GET /v1/replicas/NAME.RANK/ready), for a load balancer
             # that sends to each of them (docs/loadbalancer.md)
             "endpoints": [{"rank": rank, "node": node.name, "address": node.address,
-                           "port": http.port, "check": f"{name}.{rank}"}
-                          for http in (shard.replica.http,) if http is not None
-                          for rank in http.ranks for node in (shard.replica.nodes[rank],)],
+                           "port": port, "check": check}
+                          for check, rank in endpoints(shard.replica)
+                          for node, port in ((shard.replica.nodes[rank], http_port),)],
             # "staged: N of M nodes" while ranks wait for the replica's group restart
             "staged": verdict.staged,
             "group_restarts": recent, "next_restart": verdict.next_restart,
@@ -897,7 +904,10 @@ class Supervisor:
                                  unroutable_since=unroutable_since(
                                      verdict.routable, before, now),
                                  ready_within=ready_within(shard.replica),
-                                 group_budget=shard.replica.group_restart.budget)
+                                 group_budget=shard.replica.group_restart.budget,
+                                 endpoints=tuple((check, shard.replica.nodes[rank].name,
+                                                  http_port)
+                                                 for check, rank in endpoints(shard.replica)))
         busy = " (busy)" if verdict.liveness is not None and verdict.liveness.verdict == BUSY \
             else ""
         http = shard.replica.http

@@ -1,27 +1,28 @@
 """The engine tier's data parallel (issue 36; docs/engines.md, "Data parallel"): the real
-vLLM (CPU build) with data parallel 2 over two network namespaces in the hybrid mode, so
-each node serves its own data-parallel rank on its own HTTP endpoint, behind a real
-HAProxy with one server per serving endpoint, configured from docs/loadbalancer.md as
-written, four clients throughout. Beside it, `standby` (the stand-in
-tests/standins/completion_server.py on node-b) takes the load while `dp` is out.
+vLLM (CPU build) with data parallel 2 over two network namespaces in the internal mode
+(node-a's API server balances over both data-parallel ranks, node-b runs headless),
+behind a real HAProxy configured from docs/loadbalancer.md as written, four clients
+throughout. Beside it, `standby` (the stand-in tests/standins/completion_server.py on
+node-b) takes the load while `dp` is out. The hybrid mode's one rank per node is vLLM's
+external mode, which vLLM 0.32 cannot start for a dense model (docs/engines.md); the
+tiny mixture-of-experts model starts but cannot complete on the CPU build.
 
 One replica serves every scenario, in file order:
 
-1. Start: both endpoints (`dp.0` on node-a, `dp.1` on node-b) come into rotation and
-   serve completions; each node's supervisor probes its own endpoint, and the replica's
-   body names both.
-2. SIGKILL of every process of node-b's rank under the load: both endpoints leave
-   rotation (the ranks of one replica are one group), no supervisor says `ready` while
-   the rank is down, and the group comes back by itself (every rank restarted).
-3. A planned restart of node-b, a serving node: both endpoints drain together before any
-   rank stops; not one request fails; the replica comes back.
+1. Start: `dp` comes into rotation and completions reach both data-parallel ranks; the
+   replica's body names its one endpoint.
+2. SIGKILL of every process of node-b's rank under the load: vLLM's node-a notices
+   nothing (its /health stays 200), the supervisors take the replica out, never say
+   `ready` while the rank is down, and restart the whole group (a lone rank 1 cannot
+   rejoin a running rank 0): it comes back by itself.
+3. A planned restart of node-b, the headless node: the replica drains before rank 1
+   stops; not one request fails; it comes back.
 
 Bounds here are the test's, never asserted figures."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ LB_ADDRESS = "192.0.2.100"
 CLIENTS = 4
 BACK = 400  # bound on a group restart of two vLLM ranks on this machine's two cores
 ADDRESS = {"node-a": "192.0.2.1", "node-b": "192.0.2.2"}
-ENDPOINTS = {"dp.0": "node-a", "dp.1": "node-b"}  # HAProxy server: its node
+ENDPOINTS = {"dp": "node-a"}  # HAProxy server: its node
 
 
 def spec_text(port: int, standby: int, rpc: int) -> str:
@@ -63,7 +64,6 @@ replicas:
     env: {env_yaml()}
     args: {ENGINE_ARGS}
     data_parallel_size: 2
-    data_parallel_lb: hybrid
     port: {port}
     rendezvous_port: {rpc}
     stop_timeout: 20
@@ -100,11 +100,11 @@ class Cluster:
 
     def completes(self) -> bool:
         return all(complete(self.nodes[node], f"http://{ADDRESS[node]}:{self.port}") == 200
-                   for node in ADDRESS)
+                   for node in set(ENDPOINTS.values()))
 
     def serving(self) -> None:
-        """Both endpoints answer completions and are in HAProxy's rotation."""
-        wait_until(self.completes, BACK, "both endpoints to complete", interval=1)
+        """Every endpoint answers completions and is in HAProxy's rotation."""
+        wait_until(self.completes, BACK, "every endpoint to complete", interval=1)
         for server in ENDPOINTS:
             self.lb.wait_until_up(server, timeout=60)
 
@@ -131,8 +131,6 @@ def running(nodes: Nodes, tmp: Path) -> Iterator[Cluster]:
         netns = nodes["node-a"].netns
         assert netns is not None
         hub = bridge_address(hub_of(netns), LB_ADDRESS)
-        # one server per serving endpoint, named NAME.RANK: its check asks that node's
-        # supervisor for /v1/replicas/NAME.RANK/ready (docs/loadbalancer.md)
         servers = [Server(name, ADDRESS[node], port, ADDRESS[node], API_PORT, node)
                    for name, node in ENDPOINTS.items()]
         servers.append(Server("standby", ADDRESS["node-b"], standby, ADDRESS["node-b"],
@@ -160,29 +158,46 @@ def cluster(shared_two_nodes: Nodes, tmp_path_factory: pytest.TempPathFactory
         yield cluster
 
 
-def test_both_endpoints_serve_behind_haproxy(cluster: Cluster) -> None:
+def engine_successes(cluster: Cluster) -> dict[str, float]:
+    """vLLM's own count of finished requests per data-parallel engine, from node-a."""
+    argv = ["/usr/bin/python3", "-c", "import sys, urllib.request; print(urllib.request."
+            "build_opener(urllib.request.ProxyHandler({})).open(sys.argv[1], timeout=10)"
+            ".read().decode())", f"http://{ADDRESS['node-a']}:{cluster.port}/metrics"]
+    netns = cluster.nodes["node-a"].netns
+    assert netns is not None
+    page = netns.exec(*argv).stdout
+    counts: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = line.split('engine="', 1)[1].split('"', 1)[0]
+            counts[engine] = counts.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_the_replica_serves_from_both_ranks_behind_haproxy(cluster: Cluster) -> None:
     started = time.monotonic()
     cluster.serving()
-    print(f"figure: data parallel 2, hybrid: both endpoints in rotation "
+    print(f"figure: data parallel 2, internal: in rotation "
           f"{time.monotonic() - started:.0f} s after the start")
     with cluster.traffic(seconds=20) as traffic:
         pass
     print(f"figure: 20 s of load: {summary(traffic.requests)}")
     assert not traffic.failed, traffic.failed[:5]
-    served = traffic.served_by()
-    assert served.get("dp.0", 0) > 0 and served.get("dp.1", 0) > 0, served
-    for node, sup in cluster.sups.items():
+    assert traffic.served_by().get("dp", 0) > 0, traffic.served_by()
+    counts = engine_successes(cluster)
+    print(f"vLLM's finished requests per data-parallel engine: {counts}")
+    assert counts.get("0", 0) > 0 and counts.get("1", 0) > 0, counts
+    for sup in cluster.sups.values():
         body = sup.replica("dp")
         assert body["state"] == "ready", body
         assert [(e["rank"], e["node"], e["check"]) for e in body["endpoints"]] == [
-            (0, "node-a", "dp.0"), (1, "node-b", "dp.1")], body
-        rank = list(ADDRESS).index(node)
-        assert body["ranks"][rank]["state"] == "ready", body  # its own endpoint, probed
+            (0, "node-a", "dp.0")], body
 
 
 def test_a_killed_rank_takes_every_endpoint_out_and_comes_back(cluster: Cluster) -> None:
     """vLLM's own rank 0 does not notice a dead remote rank (docs/engines.md): its /health
-    stays 200. The supervisors do, from node-b's unit."""
+    stays 200, and what it sends to rank 1 hangs. The supervisors see it, from node-b's
+    unit."""
     cluster.serving()
     node_b, old = cluster.nodes["node-b"], cluster.main_pid("node-b")
     with Sampler(cluster.lb, interval=0.25) as sampler, cluster.traffic() as traffic, \
@@ -213,14 +228,12 @@ def test_a_killed_rank_takes_every_endpoint_out_and_comes_back(cluster: Cluster)
     assert cluster.main_pid("node-a") != 0
 
 
-def test_planned_restart_of_a_serving_node_fails_nothing(cluster: Cluster) -> None:
+def test_planned_restart_of_the_headless_node_fails_nothing(cluster: Cluster) -> None:
     cluster.serving()
     with Sampler(cluster.lb, interval=0.25) as sampler, cluster.traffic() as traffic:
         time.sleep(3)
         asked = time.monotonic()
         cluster.nodes["node-b"].systemctl("restart", "llmgw-dp.target")
-        wait_until(functools.partial(cluster.completes), BACK, "dp to complete again",
-                   interval=1)
         cluster.serving()
         back = time.monotonic()
         time.sleep(3)

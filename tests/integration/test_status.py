@@ -62,8 +62,8 @@ def test_status_follows_a_shard_from_stopped_to_ready_to_failed(
                            check=False)
     assert table.returncode == 3
     header, row = table.stdout.splitlines()
-    assert header.split() == ["REPLICA", "RANK", "NODE", "STATE", "REASON"]
-    assert row.split()[:4] == ["shard", "0/1", "node", "failed"]
+    assert header.split() == ["REPLICA", "RANK", "NODE", "HTTP", "STATE", "REASON"]
+    assert row.split()[:5] == ["shard", "0/1", "node", f":{http}", "failed"]
 
 
 def test_status_of_an_unknown_replica_is_bad_input(one_node: UserManager, tmp_path: Path
@@ -128,8 +128,8 @@ def test_status_cluster_shows_every_rank_from_any_node_and_a_peer_down(
             sources = {r["node"]: r["source"] for r in rows}
             other = "node-b" if node == "node-a" else "node-a"
             assert sources == {node: "systemd", other: f"supervisor on {other} (plain HTTP)"}
-            assert table.splitlines()[0].split() == ["REPLICA", "RANK", "NODE", "STATE",
-                                                     "SOURCE", "REASON"]
+            assert table.splitlines()[0].split() == ["REPLICA", "RANK", "NODE", "HTTP",
+                                                     "STATE", "SOURCE", "REASON"]
 
         sups[1].stop()  # node-b's supervisor down: its rank is unknown, and says why
         code, rows, table = cluster_status(leader, "node-a", spec)

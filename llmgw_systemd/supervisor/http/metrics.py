@@ -51,6 +51,8 @@ class ReplicaFigures:
     unroutable_since: float | None = None
     ready_within: int = 0  # how long a (re)start may take to be routable (units.plan)
     group_budget: int = 0  # group restarts allowed within the window (group_restart.budget)
+    # its serving endpoints: (check name NAME.RANK, node, port), one per serving rank
+    endpoints: tuple[tuple[str, str, int], ...] = ()
 
 
 def unroutable_since(routable: bool, before: ReplicaFigures | None,
@@ -182,8 +184,15 @@ class SupervisorMetrics(Collector):
             "llmgw_group_restart_budget", "group restarts allowed within the window "
             "(group_restart.budget); at llmgw_group_restarts the supervisor stops restarting",
             labels=["replica"])
+        endpoint = GaugeMetricFamily(
+            "llmgw_endpoint_routable", "1 while a gateway should send this serving endpoint "
+            "of the replica new requests (GET /v1/replicas/ENDPOINT/ready answers 200): one "
+            "per serving rank, on every node", labels=["replica", "endpoint", "node", "port"])
         now = time.monotonic()
         for r in figures.replicas:
+            for check, node, port in r.endpoints:
+                endpoint.add_metric([r.name, check, node, str(port)],
+                                    1.0 if r.routable else 0.0)
             unroutable.add_metric([r.name], 0.0 if r.unroutable_since is None
                                   else round(max(0.0, now - r.unroutable_since), 3))
             ready_within.add_metric([r.name], r.ready_within)
@@ -195,7 +204,8 @@ class SupervisorMetrics(Collector):
                 units.add_metric([r.name, unit], restarts)
             group.add_metric([r.name], r.group_restarts)
             routable.add_metric([r.name], 1.0 if r.routable else 0.0)
-        yield from (state, shard, units, group, routable, unroutable, ready_within, budget)
+        yield from (state, shard, units, group, routable, unroutable, ready_within, budget,
+                    endpoint)
         yield self.drains.family(
             "llmgw_drains", "drains of the replica by event: started (a planned stop or an "
             "operator's drain took it out of rotation), finished (nothing left in flight), "
