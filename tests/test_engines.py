@@ -126,6 +126,11 @@ ROWS = {
         Http((0,), "0.0.0.0", 30000, "/m", generating_paths=sglang.GENERATING_PATHS),
         (web(0, 30000), meet(20000), *(meet(p) for p in range(20001, 20007))), frozenset(),
         True),
+    "command, serving ranks 0 and 1: one endpoint on each node": Row(
+        "engine: command\nport: 9000\nserving_rank: [0, 1]\nranks: [{commands: [{argv: "
+        f"[/bin/a]}}]}}, {{commands: [{{argv: [/bin/b]}}]}}]\n{TWO_NODES}",
+        {0: ("engine",), 1: ("engine",)}, Http((0, 1), "0.0.0.0", 9000, None),
+        (web(0, 9000), web(1, 9000)), frozenset(), False),
     "command, no rank serves HTTP": Row(
         f"engine: command\nserving_rank: null\nranks: [{{commands: [{{argv: [/bin/a]}}]}}]\n"
         f"{ONE_NODE}", {0: ("engine",)}, None, (), frozenset(), False),

@@ -106,7 +106,7 @@ class Cluster:
         """Every endpoint answers completions and is in HAProxy's rotation."""
         wait_until(self.completes, BACK, "every endpoint to complete", interval=1)
         for server in ENDPOINTS:
-            self.lb.wait_until_up(server, timeout=60)
+            self.lb.wait_until_up(server, timeout=BACK)
 
     def said(self) -> str:
         """What each node's supervisor says of the replica: `node-a=ready node-b=...`."""

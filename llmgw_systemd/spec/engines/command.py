@@ -153,9 +153,24 @@ RANKS = Key("ranks", read_ranks, REQUIRED,
             "`HOST:PORT` (IPv6 `[ADDR]:PORT`) to wait for; `binds` lists ports that must be "
             "free first. The last command is the engine.",
             missing="engine 'command' takes one entry of commands per node")
-SERVING_RANK: Key[int | None] = Key(
-    "serving_rank", integer(0, 4095, "the rank that serves HTTP"), 0,
-    "which rank serves HTTP (`null`: none)", null=None)
+def read_serving_ranks(reader: Reader, value: Any, path: KeyPath) -> tuple[int, ...]:
+    """One rank, or a list of them (each serving HTTP on `port` of its own node)."""
+    what = "the rank that serves HTTP, or a list of ranks"
+    if not isinstance(value, list):
+        return (reader.integer(value, path, 0, 4095, what),)
+    items = reader.sequence(value, path, "ranks that serve HTTP", min_len=1)
+    ranks = tuple(reader.integer(item, (*path, i), 0, 4095, "a rank that serves HTTP")
+                  for i, item in enumerate(items))
+    for i, rank in enumerate(ranks):
+        if rank in ranks[:i]:
+            raise reader.fail((*path, i), f"rank {rank} is listed twice")
+    return ranks
+
+
+SERVING_RANK: Key[tuple[int, ...]] = Key(
+    "serving_rank", read_serving_ranks, (0,),
+    "which rank serves HTTP, or a list of ranks that each serve on `port` of their own "
+    "node, one endpoint each (`null`: none)", shown="0", null=())
 PORT: Key[int | None] = Key("port", tcp_port, None, "HTTP port of the serving rank",
                             shown="required with a serving rank")
 # A Prometheus sample name: what a progress series may name (no labels: they are summed).
@@ -204,24 +219,28 @@ def read(reader: Reader, data: Mapping[str, Any], path: KeyPath, nodes: tuple[No
     if len(ranks) != len(nodes):
         raise reader.fail((*path, "ranks"), f"expected one entry per node ({len(nodes)}); "
                           f"got {len(ranks)}")
-    serving_rank = SERVING_RANK.read(reader, data, path)
-    if serving_rank is not None and serving_rank >= len(nodes):
-        raise reader.fail((*path, "serving_rank"), f"expected the rank that serves HTTP from "
-                          f"0 to {len(nodes) - 1}; got {serving_rank}")
+    serving = SERVING_RANK.read(reader, data, path)
+    for i, rank in enumerate(serving):
+        if rank >= len(nodes):
+            where = (*path, "serving_rank") + ((i,) if isinstance(data["serving_rank"], list)
+                                               else ())
+            raise reader.fail(where, f"expected the rank that serves HTTP from "
+                              f"0 to {len(nodes) - 1}; got {rank}")
     http_port = PORT.read(reader, data, path)
-    if serving_rank is not None and http_port is None:
+    if serving and http_port is None:
         raise reader.fail(path, "missing required key 'port' (the HTTP port of serving rank "
-                          f"{serving_rank}; set serving_rank: null if no rank serves HTTP)")
-    if serving_rank is None and http_port is not None:
+                          f"{', '.join(map(str, serving))}; set serving_rank: null if no "
+                          "rank serves HTTP)")
+    if not serving and http_port is not None:
         raise reader.fail((*path, "port"), "a port is set but serving_rank is null; "
                           "say which rank serves HTTP")
     progress = PROGRESS.read(reader, data, path)
-    if progress is not None and serving_rank is None:
+    if progress is not None and not serving:
         raise reader.fail((*path, "progress"), "progress is read from the serving rank, "
                           "but serving_rank is null")
-    serving = None if serving_rank is None or http_port is None else Http(
-        (serving_rank,), HOST, http_port, None, progress)
-    return Commands(ranks, serving)
+    http = None if not serving or http_port is None else Http(
+        serving, HOST, http_port, None, progress)
+    return Commands(ranks, http)
 
 
 ENTRY = EngineEntry(
