@@ -18,7 +18,7 @@ from llmgw_systemd.spec.engines.base import (
     Step,
     wildcard,
 )
-from llmgw_systemd.spec.keys import REQUIRED, Key, integer, matching, read_all, tcp_port
+from llmgw_systemd.spec.keys import REQUIRED, Key, matching, read_all, tcp_port
 from llmgw_systemd.spec.names import RESTART_UNITS, is_word
 from llmgw_systemd.spec.reader import Reader
 
