@@ -11,6 +11,9 @@ that carries the load while `web` is out. Four clients send completions througho
   one group), no supervisor says `ready` while it is down, both come back by themselves.
 - A planned restart of either node: both endpoints are out of rotation before any
   engine gets SIGTERM, nothing fails, both come back.
+- A spec change rolled node by node (`llmgw-render --apply` on node-a, then node-b):
+  node-a's apply stages `web`, node-b's restarts it once as a group, drained; nothing
+  fails, and each of its engines starts exactly once more, with the change.
 
 The engine is tests/standins/completion_server.py (answers after 0.3 s; drains on
 SIGTERM and prints the moment on CLOCK_MONOTONIC, which every namespace shares)."""
@@ -41,7 +44,7 @@ ENDPOINTS = {"web.0": "node-a", "web.1": "node-b"}
 BACK = 60
 
 
-def spec_text(web: int, spare: int) -> str:
+def spec_text(web: int, spare: int, rollout: str = "first") -> str:
     def argv(port: int) -> str:
         return yaml_list([PYTHON, str(STANDINS / "completion_server.py"), "--port", str(port),
                           "--delay", "0.3"])
@@ -52,6 +55,7 @@ def spec_text(web: int, spare: int) -> str:
     health: {{interval: 1, timeout: 1, stability: 1}}
     restart: {{delay: 1, burst: 20, interval: 900}}
     group_restart: {{delay: 1, max_delay: 4, budget: 10, window: 900}}
+    env: {{ROLLOUT: {rollout}}}
 """
     return f"""\
 replicas:
@@ -78,6 +82,8 @@ class Cluster:
     sups: dict[str, SupervisorProcess]
     lb: HAProxy
     hub: str
+    spec: Path
+    ports: tuple[int, int]  # web's, spare's
 
     def traffic(self, seconds: float) -> Traffic:
         return Traffic(self.lb.url, clients=CLIENTS, seconds=seconds, timeout=30,
@@ -121,7 +127,7 @@ def cluster(two_nodes: Nodes, tmp_path: Path) -> Iterator[Cluster]:
         servers.append(Server("spare", ADDRESS["node-a"], spare, ADDRESS["node-a"], API_PORT,
                               "node-a"))
         lb = HAProxy(tmp_path / "lb", servers, netns=hub, port=8080).start(timeout=30)
-        cluster = Cluster(two_nodes, {s.node: s for s in sups}, lb, hub)
+        cluster = Cluster(two_nodes, {s.node: s for s in sups}, lb, hub, spec, (web, spare))
         lb.wait_until_up("spare", timeout=BACK)
         cluster.both_up()
         yield cluster
@@ -203,3 +209,41 @@ def test_a_planned_restart_of_either_serving_node_fails_nothing(cluster: Cluster
     assert in_rotation(sampler.samples, "spare", 0, float("inf"))
     assert traffic.served_by(since=back).get("web.0", 0) + \
         traffic.served_by(since=back).get("web.1", 0) > 0, traffic.served_by(back)
+
+
+def engine_environ(cluster: Cluster, node: str) -> dict[str, str]:
+    raw = Path(f"/proc/{cluster.main_pid(node)}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+def test_a_change_rolled_node_by_node_restarts_the_group_once(cluster: Cluster) -> None:
+    starts: dict[str, set[str]] = {node: set() for node in ADDRESS}
+
+    def invocations() -> str:
+        for node in ADDRESS:
+            now = cluster.nodes[node].show("llmgw-web-engine.service",
+                                           "InvocationID")["InvocationID"]
+            if now:
+                starts[node].add(now)
+        return ""
+    invocations()
+    write(cluster.spec, spec_text(*cluster.ports, rollout="second"))
+    lines: dict[str, list[str]] = {}
+    with Sampler(cluster.lb, interval=0.1) as sampler, cluster.traffic(180) as traffic, \
+            StateSampler(invocations, 0.1):
+        time.sleep(3)
+        for node in ADDRESS:
+            lines[node] = cluster.nodes[node].apply(cluster.spec, node).stdout.splitlines()
+        cluster.both_up()
+        time.sleep(3)
+        traffic.finish()
+    print(f"roll: {summary(traffic.requests)}; {lines}")
+    assert any(line.startswith("replica web: staged") for line in lines["node-a"]), lines
+    assert any(line.startswith("replica web: restarted") for line in lines["node-b"]), lines
+    assert not traffic.failed, traffic.failed[:5]
+    # something was in rotation in every sample: spare while web restarted, and back
+    assert all(up for _, up in sampler.samples if up is not None), [
+        round(at, 1) for at, up in sampler.samples if up is not None and not up]
+    assert {node: len(ids) for node, ids in starts.items()} == {"node-a": 2, "node-b": 2}
+    for node in ADDRESS:
+        assert engine_environ(cluster, node).get("ROLLOUT") == "second"
