@@ -63,6 +63,7 @@ replicas:
     env: {env_yaml()}
     args: {ENGINE_ARGS}
     stop_timeout: 20
+    drain: {{delay: 3, timeout: 10}}
     restart: {{delay: 2, burst: 20, interval: 900}}
     health: {{interval: 1, timeout: 2, stability: 2, generation: {{interval: 1, timeout: 5}}}}
     group_restart: {{delay: 1, max_delay: 8, budget: 10, window: 900}}

@@ -203,6 +203,22 @@ CASES = [
          peers={"b": peer("b", shard(1, "b", STARTING, gen="dd" * 16))},
          memory=Memory(baseline=((0, GEN), (1, "cc" * 16)), failing_since=NOW - 5),
          state=DEGRADED, reason="rank 1 on b restarted", restarts=1),
+    # before the baseline settles, a death is seen from the generations the replica was
+    # last ready with (a data-parallel rank 0 never notices a dead remote rank itself)
+    Case("peer restarted after the replica's first ready, before it settled",
+         peers={"b": peer("b", shard(1, "b", STARTING, gen="dd" * 16))},
+         memory=Memory(ready_with=((0, GEN), (1, "cc" * 16)), failing_since=NOW - 5),
+         state=DEGRADED, reason="rank 1 on b restarted", restarts=1),
+    # ... but not while this node's own group restart settles: reports lag behind it
+    Case("peer restarted within settle of our own group restart: not a new death",
+         peers={"b": peer("b", shard(1, "b", STARTING, gen="dd" * 16))},
+         memory=Memory(ready_with=((0, GEN), (1, "cc" * 16)), restarts=(NOW - 3,)),
+         state=STARTING, reason="rank 1 on b: starting as b says"),
+    Case("peer restarted while our own restart is under way: not a new death",
+         peers={"b": peer("b", shard(1, "b", STARTING, gen="dd" * 16))},
+         policy=replace(POLICY, restart_hold=30),
+         memory=Memory(ready_with=((0, GEN), (1, "cc" * 16)), restart_pending=(GEN, NOW - 1)),
+         state=STARTING, reason="rank 1 on b: starting as b says"),
     Case("our shard restarted by itself: recorded, not restarted again",
          local=units(gen="ee" * 16), probe=None,
          memory=Memory(baseline=((0, GEN), (1, "cc" * 16)), failing_since=NOW - 5),
@@ -459,6 +475,31 @@ def test_readiness_settles_before_a_restart_counts_as_a_death() -> None:
     verdict = judge(POLICY, memory, local=UP, probe=replace(PROBE_OK, taken_at=NOW + 10),
                     peers={"b": replace(B_READY, received_at=NOW + 10)}, now=NOW + 10)
     assert verdict.settled and verdict.memory.baseline == ((0, GEN), (1, "cc" * 16))
+
+
+def test_a_death_right_after_the_first_ready_restarts_the_group() -> None:
+    """Ready for the first time, then rank 1 dies and comes back within `settle` (before
+    a baseline): the group restarts all the same. Seen in bench/data_parallel.py: before,
+    node-a's data-parallel rank 0 ran on beside the new rank 1 for 340 s."""
+    memory = Memory()
+    verdict = judge(POLICY, memory, local=UP, probe=PROBE_OK, peers={"b": B_READY}, now=NOW)
+    assert verdict.health.state == READY and not verdict.settled
+    memory = verdict.memory
+    stopping = {"b": replace(peer("b", shard(1, "b", DEGRADED)),
+                             received_at=NOW + 2)}
+    verdict = judge(POLICY, memory, local=UP, probe=replace(PROBE_OK, taken_at=NOW + 2),
+                    peers=stopping, now=NOW + 2)
+    assert not verdict.actions
+    memory = verdict.memory
+    back = {"b": replace(peer("b", shard(1, "b", STARTING, gen="dd" * 16)),
+                         received_at=NOW + 4)}
+    actions = []
+    for t in (4.0, 6.0, 8.0, 10.0):  # the group restart's first delay (5 s), then it
+        verdict = judge(POLICY, memory, local=UP, probe=replace(PROBE_OK, taken_at=NOW + t),
+                        peers={"b": replace(back["b"], received_at=NOW + t)}, now=NOW + t)
+        memory = verdict.memory
+        actions += verdict.actions
+    assert len(actions) == 1 and "rank 1 on b restarted" in actions[0].reason, actions
 
 
 def test_a_restart_clears_the_baseline_and_counts_once() -> None:

@@ -133,6 +133,10 @@ class Memory:
     failing_since: float | None = None
     baseline: tuple[tuple[int, str], ...] | None = None  # generations a death is seen from
     candidate: tuple[tuple[int, str], ...] | None = None  # generations settling into one
+    # the generations the replica was last ready with, kept while it is not: before the
+    # baseline settles, a death is seen from these, unless a group restart of this node's
+    # is itself settling (_reference)
+    ready_with: tuple[tuple[int, str], ...] | None = None
     candidate_since: float | None = None
     served: str | None = None  # generation in which our serving rank answered its probe
     leader_stopped_since: float | None = None  # when rank 0 was first seen stopped
@@ -532,10 +536,12 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                   and rejoin_gap > policy.rejoin_after)
     if health.state == STOPPED:
         return replace(verdict, memory=replace(
-            memory, failing_since=None, baseline=None, candidate=None, candidate_since=None))
+            memory, failing_since=None, baseline=None, candidate=None, candidate_since=None,
+            ready_with=None))
     # A rank restarted if it runs a generation other than the one the replica was ready
     # with; a stopped or unknown rank is not one (stopped on purpose, or not heard from).
-    baseline = dict(memory.baseline) if memory.baseline is not None else None
+    reference = _reference(policy, memory, now)
+    baseline = dict(reference) if reference is not None else None
     running = {r.rank for r in reports if r.state not in (STOPPED, UNKNOWN)}
     restarted = sorted(k for k, gen in (baseline or {}).items()
                        if k in running and generations.get(k, gen) not in ("", gen))
@@ -544,7 +550,7 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
         restarted = []  # every rank started afresh (or the only one did): nothing stale
     if not restarted and not failed and not leader_gone and not leader_new and not rejoin:
         if health.state == READY:
-            memory = replace(memory, failing_since=None)
+            memory = replace(memory, failing_since=None, ready_with=verdict.generations)
             if memory.baseline is None:
                 memory = _settle(policy, memory, verdict.generations, now)
             else:
@@ -594,7 +600,7 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
     # failed): it is fresh already, and restarting it again would only delay the group.
     fresh = policy.rank in restarted and reports[policy.rank].state != FAILED
     memory = replace(memory, restarts=(*memory.restarts, now), failing_since=None,
-                     baseline=None, candidate=None, candidate_since=None)
+                     baseline=None, candidate=None, candidate_since=None, ready_with=None)
     if not fresh and policy.restart_hold > 0:
         memory = replace(memory, restart_pending=(generations.get(policy.rank, ""), now))
     if fresh:
@@ -608,6 +614,24 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
     return replace(verdict, memory=memory, notes=(note,),
                    actions=(RestartShard(policy.name, f"{died}; {decision.reason}",
                                          STALL if stalled else DEATH),))
+
+
+def _reference(policy: ReplicaPolicy, memory: Memory, now: float
+               ) -> tuple[tuple[int, str], ...] | None:
+    """The generations a rank's restart is seen from: the settled baseline; before it
+    settles, the ones the replica was last ready with, unless this node's own group
+    restart is under way or within `settle` (its peers' reports lag, and a rank that lost
+    its rendezvous restarts a little later on its own: neither is a new death). Without
+    this, a rank that died and came back within `settle` of a fresh replica's first
+    `ready` was never seen as a death: a data-parallel rank 0, which never notices a dead
+    remote rank, then served beside it until vLLM's own 5-minute handshake timeout
+    (bench/data_parallel.py, docs/supervisor.md)."""
+    if memory.baseline is not None:
+        return memory.baseline
+    if memory.restart_pending is not None or (
+            memory.restarts and now - memory.restarts[-1] < policy.settle):
+        return None
+    return memory.ready_with
 
 
 def _settle(policy: ReplicaPolicy, memory: Memory, generations: tuple[tuple[int, str], ...],

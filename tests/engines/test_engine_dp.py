@@ -43,10 +43,16 @@ LB_ADDRESS = "192.0.2.100"
 CLIENTS = 4
 BACK = 400  # bound on a group restart of two vLLM ranks on this machine's two cores
 ADDRESS = {"node-a": "192.0.2.1", "node-b": "192.0.2.2"}
-ENDPOINTS = {"dp": "node-a"}  # HAProxy server: its node
+# HAProxy server: its node, per data_parallel_lb
+ENDPOINTS = {"internal": {"dp": "node-a"}, "hybrid": {"dp.0": "node-a", "dp.1": "node-b"}}
+# data-parallel ranks per mode: hybrid with one rank per node is vLLM's external mode,
+# which vLLM 0.32 cannot start for a dense model (docs/engines.md); two per node is its
+# hybrid mode proper, each node's cores split between its two ranks
+SIZE = {"internal": 2, "hybrid": 4}
+PER_NODE_ENV = {"internal": {}, "hybrid": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 
 
-def spec_text(port: int, standby: int, rpc: int) -> str:
+def spec_text(port: int, standby: int, rpc: int, lb: str = "internal") -> str:
     common = """\
     drain: {delay: 3, timeout: 10}
     restart: {delay: 2, burst: 20, interval: 900}
@@ -61,9 +67,10 @@ replicas:
     launch_mode: mp
     model: {MODEL}
     virtualenv: {VENV}
-    env: {env_yaml()}
+    env: {env_yaml(PER_NODE_ENV[lb])}
     args: {ENGINE_ARGS}
-    data_parallel_size: 2
+    data_parallel_size: {SIZE[lb]}
+    data_parallel_lb: {lb}
     port: {port}
     rendezvous_port: {rpc}
     stop_timeout: 20
@@ -90,6 +97,7 @@ class Cluster:
     sups: dict[str, SupervisorProcess]
     lb: HAProxy
     hub: str
+    endpoints: dict[str, str]  # HAProxy server: its node
 
     def traffic(self, seconds: float = 900) -> Traffic:
         return Traffic(self.lb.url, clients=CLIENTS, seconds=seconds, timeout=60,
@@ -100,12 +108,12 @@ class Cluster:
 
     def completes(self) -> bool:
         return all(complete(self.nodes[node], f"http://{ADDRESS[node]}:{self.port}") == 200
-                   for node in set(ENDPOINTS.values()))
+                   for node in set(self.endpoints.values()))
 
     def serving(self) -> None:
         """Every endpoint answers completions and is in HAProxy's rotation."""
         wait_until(self.completes, BACK, "every endpoint to complete", interval=1)
-        for server in ENDPOINTS:
+        for server in self.endpoints:
             self.lb.wait_until_up(server, timeout=BACK)
 
     def said(self) -> str:
@@ -115,10 +123,11 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def running(nodes: Nodes, tmp: Path) -> Iterator[Cluster]:
+def running(nodes: Nodes, tmp: Path, lb_mode: str = "internal") -> Iterator[Cluster]:
     assert_engines()
     port, standby, rpc = free_port(), free_port(), free_port()
-    spec = write(tmp / "spec.yaml", spec_text(port, standby, rpc))
+    spec = write(tmp / "spec.yaml", spec_text(port, standby, rpc, lb_mode))
+    endpoints = ENDPOINTS[lb_mode]
     sups: list[SupervisorProcess] = []
     lb: HAProxy | None = None
     try:
@@ -131,15 +140,17 @@ def running(nodes: Nodes, tmp: Path) -> Iterator[Cluster]:
         netns = nodes["node-a"].netns
         assert netns is not None
         hub = bridge_address(hub_of(netns), LB_ADDRESS)
+        # one server per serving endpoint, named NAME.RANK when there are several
+        # (docs/loadbalancer.md)
         servers = [Server(name, ADDRESS[node], port, ADDRESS[node], API_PORT, node)
-                   for name, node in ENDPOINTS.items()]
+                   for name, node in endpoints.items()]
         servers.append(Server("standby", ADDRESS["node-b"], standby, ADDRESS["node-b"],
                               API_PORT, "node-b"))
         lb = HAProxy(tmp / "lb", servers, netns=hub, port=8080).start(timeout=30)
         lb.wait_until_up("standby", timeout=60)
         for node in reversed(ADDRESS):
             nodes[node].systemctl("start", "llmgw-dp.target")
-        yield Cluster(nodes, port, {s.node: s for s in sups}, lb, hub)
+        yield Cluster(nodes, port, {s.node: s for s in sups}, lb, hub, endpoints)
         for node in ADDRESS:
             nodes[node].systemctl("stop", "llmgw-dp.target", *(
                 ["llmgw-standby.target"] if node == "node-b" else []))
@@ -214,7 +225,7 @@ def test_a_killed_rank_takes_every_endpoint_out_and_comes_back(cluster: Cluster)
         traffic.finish()
     out = {server: next((at for at, up in sampler.samples
                          if at > killed and up is not None and server not in up), None)
-           for server in ENDPOINTS}
+           for server in cluster.endpoints}
     print(f"figure: SIGKILL of node-b's rank: out of rotation "
           f"{ {s: None if t is None else round(t - killed, 2) for s, t in out.items()} } s "
           f"after; node-b's rank running again at +{again - killed:.1f} s; both endpoints "
@@ -228,20 +239,26 @@ def test_a_killed_rank_takes_every_endpoint_out_and_comes_back(cluster: Cluster)
     assert cluster.main_pid("node-a") != 0
 
 
-def test_planned_restart_of_the_headless_node_fails_nothing(cluster: Cluster) -> None:
+def planned_restart(cluster: Cluster, node: str) -> None:
+    """`systemctl restart` of the replica's target on `node` under the load: not one
+    request fails, every endpoint leaves rotation, and the replica comes back."""
     cluster.serving()
     with Sampler(cluster.lb, interval=0.25) as sampler, cluster.traffic() as traffic:
         time.sleep(3)
         asked = time.monotonic()
-        cluster.nodes["node-b"].systemctl("restart", "llmgw-dp.target")
+        cluster.nodes[node].systemctl("restart", "llmgw-dp.target")
         cluster.serving()
         back = time.monotonic()
         time.sleep(3)
         traffic.finish()
     out = {server: next((round(at - asked, 2) for at, up in sampler.samples
                          if at > asked and up is not None and server not in up), None)
-           for server in ENDPOINTS}
-    print(f"figure: planned restart of node-b: endpoints out at {out} s, both back at "
+           for server in cluster.endpoints}
+    print(f"figure: planned restart of {node}: endpoints out at {out} s, all back at "
           f"+{back - asked:.0f} s; {summary(traffic.requests)}")
     assert not traffic.failed, traffic.failed[:5]
     assert all(t is not None for t in out.values()), out
+
+
+def test_planned_restart_of_the_headless_node_fails_nothing(cluster: Cluster) -> None:
+    planned_restart(cluster, "node-b")
