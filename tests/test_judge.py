@@ -493,7 +493,7 @@ def test_a_death_right_after_the_first_ready_restarts_the_group() -> None:
     memory = verdict.memory
     back = {"b": replace(peer("b", shard(1, "b", STARTING, gen="dd" * 16)),
                          received_at=NOW + 4)}
-    actions = []
+    actions: list[RestartShard] = []
     for t in (4.0, 6.0, 8.0, 10.0):  # the group restart's first delay (5 s), then it
         verdict = judge(POLICY, memory, local=UP, probe=replace(PROBE_OK, taken_at=NOW + t),
                         peers={"b": replace(back["b"], received_at=NOW + t)}, now=NOW + t)
