@@ -15,16 +15,17 @@ One replica serves every scenario, in file order:
    nothing (its /health stays 200), the supervisors take the replica out, never say
    `ready` while the rank is down, and restart the whole group (a lone rank 1 cannot
    rejoin a running rank 0): it comes back by itself.
-3. A planned restart of node-b, the headless node: the replica drains before rank 1
-   stops; not one request fails; it comes back.
+(A planned restart, of a serving node, and a rolled change are test_engine_dp_hybrid.py's;
+the drain of a headless node is the tensor-parallel worker's, test_engine_drain.py.)
 
 Bounds here are the test's, never asserted figures."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,9 @@ SIZE = {"internal": 2, "hybrid": 4}
 PER_NODE_ENV = {"internal": {}, "hybrid": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 
 
-def spec_text(port: int, standby: int, rpc: int, lb: str = "internal") -> str:
+def spec_text(port: int, standby: int, rpc: int, lb: str = "internal", rollout: str = "first"
+              ) -> str:
+    """rollout: ROLLOUT in the data-parallel engines' environment (a spec change)."""
     common = """\
     drain: {delay: 3, timeout: 10}
     restart: {delay: 2, burst: 20, interval: 900}
@@ -67,7 +70,7 @@ replicas:
     launch_mode: mp
     model: {MODEL}
     virtualenv: {VENV}
-    env: {env_yaml(PER_NODE_ENV[lb])}
+    env: {env_yaml({**PER_NODE_ENV[lb], "ROLLOUT": rollout})}
     args: {ENGINE_ARGS}
     data_parallel_size: {SIZE[lb]}
     data_parallel_lb: {lb}
@@ -98,6 +101,8 @@ class Cluster:
     lb: HAProxy
     hub: str
     endpoints: dict[str, str]  # HAProxy server: its node
+    spec: Path
+    spec_for: Callable[[str], str]  # rollout -> the spec's text
 
     def traffic(self, seconds: float = 900) -> Traffic:
         return Traffic(self.lb.url, clients=CLIENTS, seconds=seconds, timeout=60,
@@ -150,7 +155,8 @@ def running(nodes: Nodes, tmp: Path, lb_mode: str = "internal") -> Iterator[Clus
         lb.wait_until_up("standby", timeout=60)
         for node in reversed(ADDRESS):
             nodes[node].systemctl("start", "llmgw-dp.target")
-        yield Cluster(nodes, port, {s.node: s for s in sups}, lb, hub, endpoints)
+        yield Cluster(nodes, port, {s.node: s for s in sups}, lb, hub, endpoints, spec,
+                      functools.partial(spec_text, port, standby, rpc, lb_mode))
         for node in ADDRESS:
             nodes[node].systemctl("stop", "llmgw-dp.target", *(
                 ["llmgw-standby.target"] if node == "node-b" else []))
@@ -209,8 +215,16 @@ def test_a_killed_rank_takes_every_endpoint_out_and_comes_back(cluster: Cluster)
     """vLLM's own rank 0 does not notice a dead remote rank (docs/engines.md): its /health
     stays 200, and what it sends to rank 1 hangs. The supervisors see it, from node-b's
     unit."""
+    killed_rank(cluster)
+
+
+def killed_rank(cluster: Cluster) -> None:
+    """SIGKILL of every process of node-b's rank under the load: every endpoint leaves
+    rotation, no supervisor says `ready` while the rank is down, and the whole group
+    (node-a's rank too) comes back by itself."""
     cluster.serving()
     node_b, old = cluster.nodes["node-b"], cluster.main_pid("node-b")
+    old_a = cluster.main_pid("node-a")
     with Sampler(cluster.lb, interval=0.25) as sampler, cluster.traffic() as traffic, \
             StateSampler(cluster.said, 0.2) as states:
         time.sleep(3)
@@ -236,7 +250,7 @@ def test_a_killed_rank_takes_every_endpoint_out_and_comes_back(cluster: Cluster)
              if killed + 1 < at < again and "=ready" in said]
     assert not ready, ready
     # every rank of the group started again, node-a's too
-    assert cluster.main_pid("node-a") != 0
+    assert cluster.main_pid("node-a") not in (0, old_a)
 
 
 def planned_restart(cluster: Cluster, node: str) -> None:
@@ -260,5 +274,43 @@ def planned_restart(cluster: Cluster, node: str) -> None:
     assert all(t is not None for t in out.values()), out
 
 
-def test_planned_restart_of_the_headless_node_fails_nothing(cluster: Cluster) -> None:
-    planned_restart(cluster, "node-b")
+def roll(cluster: Cluster, value: str) -> None:
+    """ROLLOUT=value into the data-parallel engines' environment, applied on node-a, then
+    node-b (`llmgw-render --apply`) under the load: node-a's apply stages the replica,
+    node-b's restarts it once as a group; nothing fails, something is in rotation in every
+    sample, each engine starts exactly once more, with the change."""
+    cluster.serving()
+    starts: dict[str, set[str]] = {node: set() for node in ADDRESS}
+
+    def invocations() -> str:
+        for node in ADDRESS:
+            now = cluster.nodes[node].show("llmgw-dp-engine.service",
+                                           "InvocationID")["InvocationID"]
+            if now:
+                starts[node].add(now)
+        return ""
+    invocations()
+    write(cluster.spec, cluster.spec_for(value))
+    lines: dict[str, list[str]] = {}
+    with Sampler(cluster.lb, interval=0.25) as sampler, cluster.traffic() as traffic, \
+            StateSampler(invocations, 0.5):
+        time.sleep(3)
+        asked = time.monotonic()
+        for node in ADDRESS:
+            lines[node] = cluster.nodes[node].apply(cluster.spec, node).stdout.splitlines()
+        cluster.serving()
+        back = time.monotonic()
+        time.sleep(3)
+        traffic.finish()
+    print(f"figure: roll over two nodes: back at +{back - asked:.0f} s; "
+          f"{summary(traffic.requests)}; {lines}")
+    assert any(line.startswith("replica dp: staged") for line in lines["node-a"]), lines
+    assert any(line.startswith("replica dp: restarted") for line in lines["node-b"]), lines
+    assert not traffic.failed, traffic.failed[:5]
+    assert all(up for _, up in sampler.samples if up is not None), [
+        round(at, 1) for at, up in sampler.samples if up is not None and not up]
+    assert {node: len(ids) for node, ids in starts.items()} == {n: 2 for n in ADDRESS}
+    for node in ADDRESS:
+        pid = cluster.main_pid(node)
+        environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+        assert f"ROLLOUT={value}" in environ, node

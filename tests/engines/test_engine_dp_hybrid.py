@@ -8,8 +8,12 @@ planned restart of the headless node).
 
 1. Both endpoints come into rotation and serve completions; each node's supervisor
    probes its own endpoint, and the replica's body names both.
-2. A planned restart of node-b, a serving node: both endpoints leave rotation and drain
-   before any rank stops; not one request fails; both come back."""
+2. SIGKILL of every process of node-b's rank: both endpoints leave rotation, no
+   supervisor says `ready` while it is down, and the group comes back by itself.
+3. A planned restart of node-b, a serving node: both endpoints leave rotation and drain
+   before any rank stops; not one request fails; both come back.
+4. A spec change rolled node by node: staged on node-a, one group restart on node-b,
+   nothing fails."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from collections.abc import Iterator
 import pytest
 from loadbalancer import summary
 from systemd_harness import Nodes
-from test_engine_dp import Cluster, planned_restart, running
+from test_engine_dp import Cluster, killed_rank, planned_restart, roll, running
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines]
 
@@ -52,5 +56,13 @@ def test_both_endpoints_serve_behind_haproxy(cluster: Cluster) -> None:
         assert "HTTP 200" in mine["reason"], body  # its own endpoint, probed
 
 
+def test_a_killed_rank_takes_every_endpoint_out_and_comes_back(cluster: Cluster) -> None:
+    killed_rank(cluster)
+
+
 def test_planned_restart_of_a_serving_node_fails_nothing(cluster: Cluster) -> None:
     planned_restart(cluster, "node-b")
+
+
+def test_a_change_rolled_node_by_node_restarts_the_group_once(cluster: Cluster) -> None:
+    roll(cluster, "second")
