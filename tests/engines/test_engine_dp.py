@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 from loadbalancer import HAProxy, Sampler, Server, Traffic, bridge_address, summary
 from realengine import ENGINE_ARGS, MODEL, VENV, assert_engines, complete, env_yaml, manager_pids
+from rolling import Starts, engine_environ
 from specs import PYTHON, free_port, write, yaml_list
 from supervisors import Sampler as StateSampler
 from supervisors import SupervisorProcess, stop_and_show
@@ -42,6 +43,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.engines]
 API_PORT = 9470
 LB_ADDRESS = "192.0.2.100"
 CLIENTS = 4
+ENGINE = "llmgw-dp-engine.service"
 BACK = 400  # bound on a group restart of two vLLM ranks on this machine's two cores
 ADDRESS = {"node-a": "192.0.2.1", "node-b": "192.0.2.2"}
 # HAProxy server: its node, per data_parallel_lb
@@ -109,7 +111,7 @@ class Cluster:
                        netns=self.hub)
 
     def main_pid(self, node: str) -> int:
-        return int(self.nodes[node].show("llmgw-dp-engine.service", "MainPID")["MainPID"])
+        return int(self.nodes[node].show(ENGINE, "MainPID")["MainPID"])
 
     def completes(self) -> bool:
         return all(complete(self.nodes[node], f"http://{ADDRESS[node]}:{self.port}") == 200
@@ -229,7 +231,7 @@ def killed_rank(cluster: Cluster) -> None:
             StateSampler(cluster.said, 0.2) as states:
         time.sleep(3)
         killed = time.monotonic()
-        node_b.systemctl("kill", "--signal=SIGKILL", "llmgw-dp-engine.service")
+        node_b.systemctl("kill", "--signal=SIGKILL", ENGINE)
         wait_until(lambda: cluster.main_pid("node-b") not in (0, old), 60,
                    "node-b's rank to run again", interval=0.1)
         again = time.monotonic()
@@ -280,20 +282,11 @@ def roll(cluster: Cluster, value: str) -> None:
     node-b's restarts it once as a group; nothing fails, something is in rotation in every
     sample, each engine starts exactly once more, with the change."""
     cluster.serving()
-    starts: dict[str, set[str]] = {node: set() for node in ADDRESS}
-
-    def invocations() -> str:
-        for node in ADDRESS:
-            now = cluster.nodes[node].show("llmgw-dp-engine.service",
-                                           "InvocationID")["InvocationID"]
-            if now:
-                starts[node].add(now)
-        return ""
-    invocations()
     write(cluster.spec, cluster.spec_for(value))
     lines: dict[str, list[str]] = {}
+    managers = {node: cluster.nodes[node] for node in ADDRESS}
     with Sampler(cluster.lb, interval=0.25) as sampler, cluster.traffic() as traffic, \
-            StateSampler(invocations, 0.5):
+            Starts(managers, ENGINE, 0.5) as starts:
         time.sleep(3)
         asked = time.monotonic()
         for node in ADDRESS:
@@ -309,8 +302,6 @@ def roll(cluster: Cluster, value: str) -> None:
     assert not traffic.failed, traffic.failed[:5]
     assert all(up for _, up in sampler.samples if up is not None), [
         round(at, 1) for at, up in sampler.samples if up is not None and not up]
-    assert {node: len(ids) for node, ids in starts.items()} == {n: 2 for n in ADDRESS}
+    assert starts.counts() == {n: 2 for n in ADDRESS}  # the one before, and one more
     for node in ADDRESS:
-        pid = cluster.main_pid(node)
-        environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
-        assert f"ROLLOUT={value}" in environ, node
+        assert engine_environ(cluster.nodes[node], ENGINE).get("ROLLOUT") == value, node

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import rolling
 from loadbalancer import (
     HAProxy,
     Request,
@@ -403,9 +404,7 @@ def test_a_killed_rank_restarts_without_a_drain(cluster: Cluster) -> None:
 
 
 def engine_environ(manager: UserManager, replica: str) -> dict[str, str]:
-    pid = int(manager.show(f"llmgw-{replica}-engine.service", "MainPID")["MainPID"])
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+    return rolling.engine_environ(manager, f"llmgw-{replica}-engine.service")
 
 
 ENGINES = (("node-a", "tp"), ("node-b", "tp"), ("node-b", "standby"))

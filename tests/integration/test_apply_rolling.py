@@ -11,9 +11,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import rolling
+from rolling import Starts
 from specs import free_port, two_node_replica
 from supervisors import LLMGW_SYSTEMD, SupervisorProcess, stop_and_show
-from systemd_harness import Nodes, Sampler, UserManager, wait_until
+from systemd_harness import Nodes, UserManager, wait_until
 
 from llmgw_systemd.spec.names import DIGEST_VAR
 
@@ -24,30 +26,7 @@ ENGINE = "llmgw-rep-engine.service"
 
 
 def engine_environ(manager: UserManager) -> dict[str, str]:
-    """The environment of the engine process itself, not just of its unit file."""
-    pid = int(manager.wait_state(ENGINE, "active", 60)["MainPID"])
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
-
-
-class InvocationSampler(Sampler[dict[str, str]]):
-    """Each node's engine InvocationID (systemd gives each start of a unit a new one),
-    every 0.3 s while the roll runs."""
-
-    def __init__(self, managers: dict[str, UserManager]) -> None:
-        super().__init__(lambda: {node: m.show(ENGINE, "InvocationID")["InvocationID"]
-                                  for node, m in managers.items()}, 0.3, lambda _exc: {})
-        self.__enter__()
-
-    def stop(self) -> dict[str, list[str]]:
-        """Stop sampling; every invocation seen on each node, in order."""
-        self.__exit__()
-        seen: dict[str, list[str]] = {}
-        for _, value in self.seen:
-            for node, invocation in value.items():
-                if invocation and invocation not in seen.setdefault(node, []):
-                    seen[node].append(invocation)
-        return seen
+    return rolling.engine_environ(manager, ENGINE)
 
 
 def test_a_change_applied_node_by_node_stages_then_restarts_once(two_nodes: Nodes,
@@ -68,7 +47,7 @@ def test_a_change_applied_node_by_node_stages_then_restarts_once(two_nodes: Node
     assert worker.apply(spec, "node-b", "--start").stdout == "replica rep: started (new)\n"
     assert leader.apply(spec, "node-a", "--start").stdout == "replica rep: started (new)\n"
     sups: list[SupervisorProcess] = []
-    sampler: InvocationSampler | None = None
+    sampler: Starts | None = None
     try:
         for manager, node in ((leader, "node-a"), (worker, "node-b")):
             assert manager.netns is not None
@@ -79,7 +58,7 @@ def test_a_change_applied_node_by_node_stages_then_restarts_once(two_nodes: Node
         b.wait_state("rep", "ready", 60, settled=True)
         old = {node: engine_environ(m)[DIGEST_VAR]
                for node, m in (("node-a", leader), ("node-b", worker))}
-        sampler = InvocationSampler({"node-a": leader, "node-b": worker})
+        sampler = Starts({"node-a": leader, "node-b": worker}, ENGINE).__enter__()
 
         # the leader's node applies first: staged, nothing restarted, still serving
         spec.write_text(base + "    env: {ROLLOUT: second}\n")
@@ -121,7 +100,8 @@ def test_a_change_applied_node_by_node_stages_then_restarts_once(two_nodes: Node
             view = sup.replica("rep")
             assert view["routable"], (sup.node, view)
             assert view.get("staged", "") == "", view
-        seen = sampler.stop()
+        sampler.__exit__()
+        seen = sampler.invocations()
         # the worker's rank restarted first, and waited at its rendezvous until rank 0 had
         # restarted onto the new version, rather than join the rank 0 about to go
         log = (worker.log_dir / ENGINE).with_suffix(".service.log").read_text()
@@ -155,7 +135,7 @@ def test_a_change_applied_node_by_node_stages_then_restarts_once(two_nodes: Node
         a.wait_state("rep", "ready", 30)
     finally:
         if sampler is not None:
-            sampler.stop()
+            sampler.__exit__()
         stop_and_show(sups)
 
 

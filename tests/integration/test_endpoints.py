@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from loadbalancer import HAProxy, Sampler, Server, Traffic, bridge_address, in_rotation, summary
+from rolling import Starts, engine_environ
 from specs import PYTHON, free_port, write, yaml_list
 from supervisors import Sampler as StateSampler
 from supervisors import SupervisorProcess, stop_and_show
@@ -41,6 +42,7 @@ CLIENTS = 4
 LB_ADDRESS = "192.0.2.100"
 ADDRESS = {"node-a": "192.0.2.1", "node-b": "192.0.2.2"}
 ENDPOINTS = {"web.0": "node-a", "web.1": "node-b"}
+ENGINE = "llmgw-web-engine.service"
 BACK = 60
 
 
@@ -90,10 +92,10 @@ class Cluster:
                        netns=self.hub)
 
     def main_pid(self, node: str) -> int:
-        return int(self.nodes[node].show("llmgw-web-engine.service", "MainPID")["MainPID"])
+        return int(self.nodes[node].show(ENGINE, "MainPID")["MainPID"])
 
     def engine_log(self, node: str) -> str:
-        log = self.nodes[node].log_dir / "llmgw-web-engine.service.log"
+        log = self.nodes[node].log_dir / f"{ENGINE}.log"
         return log.read_text(errors="replace") if log.exists() else ""
 
     def both_up(self) -> None:
@@ -162,8 +164,7 @@ def test_every_endpoint_serves_and_leaves_with_the_group(cluster: Cluster) -> No
             StateSampler(cluster.said, 0.1) as states:
         time.sleep(4)
         killed = time.monotonic()
-        cluster.nodes["node-b"].systemctl("kill", "--signal=SIGKILL",
-                                          "llmgw-web-engine.service")
+        cluster.nodes["node-b"].systemctl("kill", "--signal=SIGKILL", ENGINE)
         wait_until(lambda: cluster.main_pid("node-b") not in (0, old), 30,
                    "node-b's engine to run again", interval=0.05)
         again = time.monotonic()
@@ -211,26 +212,12 @@ def test_a_planned_restart_of_either_serving_node_fails_nothing(cluster: Cluster
         traffic.served_by(since=back).get("web.1", 0) > 0, traffic.served_by(back)
 
 
-def engine_environ(cluster: Cluster, node: str) -> dict[str, str]:
-    raw = Path(f"/proc/{cluster.main_pid(node)}/environ").read_bytes()
-    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
-
-
 def test_a_change_rolled_node_by_node_restarts_the_group_once(cluster: Cluster) -> None:
-    starts: dict[str, set[str]] = {node: set() for node in ADDRESS}
-
-    def invocations() -> str:
-        for node in ADDRESS:
-            now = cluster.nodes[node].show("llmgw-web-engine.service",
-                                           "InvocationID")["InvocationID"]
-            if now:
-                starts[node].add(now)
-        return ""
-    invocations()
     write(cluster.spec, spec_text(*cluster.ports, rollout="second"))
     lines: dict[str, list[str]] = {}
+    managers = {node: cluster.nodes[node] for node in ADDRESS}
     with Sampler(cluster.lb, interval=0.1) as sampler, cluster.traffic(180) as traffic, \
-            StateSampler(invocations, 0.1):
+            Starts(managers, ENGINE, 0.1) as starts:
         time.sleep(3)
         for node in ADDRESS:
             lines[node] = cluster.nodes[node].apply(cluster.spec, node).stdout.splitlines()
@@ -244,6 +231,6 @@ def test_a_change_rolled_node_by_node_restarts_the_group_once(cluster: Cluster) 
     # something was in rotation in every sample: spare while web restarted, and back
     assert all(up for _, up in sampler.samples if up is not None), [
         round(at, 1) for at, up in sampler.samples if up is not None and not up]
-    assert {node: len(ids) for node, ids in starts.items()} == {"node-a": 2, "node-b": 2}
+    assert starts.counts() == {"node-a": 2, "node-b": 2}  # the one before, and one more
     for node in ADDRESS:
-        assert engine_environ(cluster, node).get("ROLLOUT") == "second"
+        assert engine_environ(cluster.nodes[node], ENGINE).get("ROLLOUT") == "second"
