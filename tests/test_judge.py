@@ -32,6 +32,8 @@ WORKER = replace(POLICY, rank=1, serving=False)
 GENERATING = replace(POLICY, completion_fresh=12)  # the generation check is on
 FOLLOWER = replace(WORKER, follows_leader=True)  # rank 1 of vLLM/SGLang: joined rank 0
 REJOINING = replace(FOLLOWER, rejoin_after=30)  # stop_timeout + settle
+# ... with room in its budget for a third restart
+REJOINING_AGAIN = replace(REJOINING, group_restart=replace(REJOINING.group_restart, budget=5))
 
 
 def units(active: str = "active", sub: str = "running", *, gen: str = GEN,
@@ -278,6 +280,18 @@ CASES = [
     Case("within stop_timeout + settle of ours: the same group restart, nothing to do",
          policy=REJOINING, local=units(up_for=100), memory=Memory(failing_since=NOW - 5),
          peers={"a": peer("a", shard(0, "a", STARTING, up_for=85))}, state=STARTING),
+    # rank 0's own restart of the same fault waited its backoff first (as long as ours:
+    # every node restarts for every fault): a roll's rank 0 came 35 s after rank 1, and
+    # rank 1 restarted a second time, failing what it served meanwhile
+    Case("rank 0 started 40 s after ours, within its backoff of 20 s: the same restart",
+         policy=REJOINING_AGAIN, local=units(up_for=100),
+         memory=Memory(restarts=(NOW - 200, NOW - 100)),
+         peers={"a": peer("a", shard(0, "a", STARTING, up_for=60))}, state=STARTING),
+    Case("rank 0 started 59 s after ours, beyond its backoff of 20 s: restart to join it",
+         policy=REJOINING_AGAIN, local=units(up_for=100),
+         memory=Memory(restarts=(NOW - 200, NOW - 100), failing_since=NOW - 30),
+         peers={"a": peer("a", shard(0, "a", STARTING, up_for=40))}, state=DEGRADED,
+         reason="rank 0 on a started again 59 s after this rank did", restarts=1),
     Case("rank 0 older than ours: we joined it, ready", policy=REJOINING,
          local=units(up_for=100), peers={"a": peer("a", shard(0, "a", up_for=300))},
          reason="all 2 ranks ready"),

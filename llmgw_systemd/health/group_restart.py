@@ -10,7 +10,8 @@ from typing import Literal
 
 from llmgw_systemd.spec.policies import GroupRestartPolicy
 
-__all__ = ["GIVE_UP", "NOW", "WAIT", "Action", "Decision", "GroupRestartPolicy", "decide"]
+__all__ = ["GIVE_UP", "NOW", "WAIT", "Action", "Decision", "GroupRestartPolicy", "backoff",
+           "decide"]
 
 Action = Literal["now", "wait", "give-up"]
 NOW: Action = "now"
@@ -33,9 +34,14 @@ def decide(policy: GroupRestartPolicy, past: tuple[float, ...], failed_since: fl
     if len(recent) >= policy.budget:
         return Decision(GIVE_UP, 0.0, f"group restart budget spent: {len(recent)} restarts "
                         f"in the last {policy.window:.0f} s")
-    delay = min(policy.max_delay, policy.delay * 2 ** len(recent))
+    delay = backoff(policy, len(recent))
     at = max(failed_since + delay, (recent[-1] + delay) if recent else 0.0)
     if at <= now:
         return Decision(NOW, now, f"group restart {len(recent) + 1} of {policy.budget}")
     return Decision(WAIT, at, f"group restart {len(recent) + 1} of {policy.budget} in "
                     f"{at - now:.0f} s")
+
+
+def backoff(policy: GroupRestartPolicy, recent: int) -> float:
+    """The wait before a group restart that follows `recent` others within the window."""
+    return float(min(policy.max_delay, policy.delay * 2 ** recent))

@@ -54,7 +54,13 @@ from llmgw_systemd.health.drain import (
     with_other_servers,
 )
 from llmgw_systemd.health.evidence import LocalEvidence, PeerEvidence, PeerShard, ProbeEvidence
-from llmgw_systemd.health.group_restart import GIVE_UP, NOW, GroupRestartPolicy, decide
+from llmgw_systemd.health.group_restart import (
+    GIVE_UP,
+    NOW,
+    GroupRestartPolicy,
+    backoff,
+    decide,
+)
 from llmgw_systemd.health.progress import (
     BUSY,
     STALLED,
@@ -532,8 +538,13 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
     # whose end we may never have seen (a report missed, a restart within a fetch)
     rejoin_gap = (leader_started - engine_since
                   if leader_started is not None and engine_since is not None else None)
+    # rank 0's own restart of this fault waited its backoff before it began: as long as
+    # ours, since every node restarts for every fault (seen: a roll's rank 0 started 35 s
+    # after rank 1, of which 4 s its backoff, and rank 1 restarted a second time)
+    waited = backoff(policy.group_restart, sum(
+        1 for t in memory.restarts if now - t < policy.group_restart.window))
     leader_new = (follower and policy.rejoin_after is not None and rejoin_gap is not None
-                  and rejoin_gap > policy.rejoin_after)
+                  and rejoin_gap > policy.rejoin_after + waited)
     if health.state == STOPPED:
         return replace(verdict, memory=replace(
             memory, failing_since=None, baseline=None, candidate=None, candidate_since=None,
