@@ -126,6 +126,6 @@ def test_each_serving_endpoint_is_exported() -> None:
            samples(SupervisorMetrics(lambda: current, dict)).items()
            if name == "llmgw_endpoint_routable"}
     assert got == {
-        (("replica", "dp"), ("endpoint", "dp.0"), ("node", "a"), ("port", "8000")): 1,
-        (("replica", "dp"), ("endpoint", "dp.1"), ("node", "b"), ("port", "8000")): 1,
-        (("replica", "tp"), ("endpoint", "tp.0"), ("node", "a"), ("port", "8001")): 0}
+        (("endpoint", "dp.0"), ("node", "a"), ("port", "8000"), ("replica", "dp")): 1,
+        (("endpoint", "dp.1"), ("node", "b"), ("port", "8000"), ("replica", "dp")): 1,
+        (("endpoint", "tp.0"), ("node", "a"), ("port", "8001"), ("replica", "tp")): 0}
