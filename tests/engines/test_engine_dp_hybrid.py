@@ -13,9 +13,10 @@ planned restart of the headless node).
 3. A planned restart of node-b, a serving node: both endpoints leave rotation and drain
    before any rank stops; not one request fails; both come back.
 
-A roll is tests/integration/test_endpoints.py's (two endpoints, stand-ins): here, four
-vLLM ranks restarting on two cores beside the other test lane starved a supervisor so
-long that HAProxy had no server left (seen once, with a unit-test run beside it)."""
+A roll is tests/integration/test_endpoints.py's (two endpoints, stand-ins). Here it
+still fails requests (docs/engines.md, issue 36): node-b's systemd, reloading beside four
+vLLM ranks restarting, misses the supervisor's Subscribe timeout, and the supervisor
+drops what it knew of node-b's units, the healthy standby's included."""
 
 from __future__ import annotations
 
