@@ -110,8 +110,8 @@ def _frame(bus: SystemdBus, shards: list[LocalShard], node_name: str, user_manag
         return _cluster([s.replica for s in shards], node_name, statuses, versions,
                         as_json, peer_port=peer_port, timeout=timeout, tls=tls)
     code = 0 if all(s.health.state == READY for s in statuses) else 3
-    serves = {shard.replica.name: shard.replica.http.port if shard.serving
-              and shard.replica.http is not None else None for shard in shards}
+    serves = {shard.replica.name: shard.replica.http.port_of(shard.plan.rank)
+              if shard.replica.http is not None else None for shard in shards}
     if as_json:
         return [json.dumps([{
             "replica": s.replica, "rank": s.rank, "ranks": s.ranks, "node": s.node,

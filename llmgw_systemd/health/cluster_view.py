@@ -51,7 +51,7 @@ def cluster_rows(replicas: Sequence[Replica], node: str,
         n = len(replica.nodes)
         http = replica.http
         for rank, member in enumerate(replica.nodes):
-            serves = http.port if http is not None and rank in http.ranks else None
+            serves = http.port_of(rank) if http is not None else None
             if member.name == node:
                 state, reason = local.get(replica.name, (UNKNOWN, "not read"))
                 rows.append(Row(replica.name, rank, n, member.name, state, reason, "systemd",

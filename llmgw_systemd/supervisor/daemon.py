@@ -133,7 +133,8 @@ View = tuple[dict[str, Any], bytes, api.Readiness, ReplicaFigures]
 def endpoints(replica: Replica) -> tuple[tuple[str, int], ...]:
     """Each serving endpoint of the replica: (its check name NAME.RANK, its rank)."""
     http = replica.http
-    return () if http is None else tuple((f"{replica.name}.{rank}", rank) for rank in http.ranks)
+    return () if http is None else tuple((api.endpoint_name(replica.name, rank), rank)
+                                         for rank in http.ranks)
 
 
 def engine_started(evidence: LocalEvidence | None) -> int | None:
@@ -833,11 +834,11 @@ class Supervisor:
     def _count_drain(self, policy: ReplicaPolicy, before: Verdict | None, verdict: Verdict,
                      now: float) -> tuple[DrainEvent, ...]:
         """A drain's start and end, counted on the node that counts the requests in
-        flight (the serving rank's; rank 0's when none serves); returned for the journal."""
+        flight (the first serving rank's; rank 0's when none serves); returned for the
+        journal."""
         changes = drain_events(before.drain if before is not None else None, verdict.drain,
                                verdict.memory.drain, now)
-        if (policy.serving and policy.rank == min(policy.serving_ranks)) or (
-                not policy.serving_ranks and policy.rank == 0):
+        if policy.rank == min(policy.serving_ranks, default=0):
             for event in changes:
                 self.metrics.count_drain(policy.name, event)
         return changes

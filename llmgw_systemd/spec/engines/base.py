@@ -114,6 +114,10 @@ class Http(NamedTuple):
     # health paths at which the engine answers only once it generated a token
     generating_paths: tuple[str, ...] = ()
 
+    def port_of(self, rank: int) -> int | None:
+        """The HTTP port `rank` serves on, None when it serves none."""
+        return self.port if rank in self.ranks else None
+
 
 class ProgressSeries(NamedTuple):
     """Where an engine says it is making progress (docs/supervisor.md, "Stalls"): the

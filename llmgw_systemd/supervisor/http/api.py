@@ -84,6 +84,11 @@ def _ready(published: Published, name: str) -> Response:
     return Response(200 if found.routable else 503, f"{found.line}\n".encode(), TEXT)
 
 
+def endpoint_name(replica: str, rank: int) -> str:
+    """The readiness check's name of one serving endpoint: what endpoint() reads back."""
+    return f"{replica}.{rank}"
+
+
 def endpoint(name: str) -> tuple[str, int | None]:
     """A readiness check's name: a replica, or one serving endpoint of it, `NAME.RANK`
     (a HAProxy server name, unique in its backend; a replica name has no dot)."""
