@@ -88,6 +88,12 @@ def shard(rank: int, node: str, state: State = READY, gen: str = "cc" * 16,
 
 B_READY = peer("b", shard(1, "b"))
 GRACEFUL = replace(POLICY, peer_grace=20)
+HOLDING = replace(POLICY, systemd_grace=30)  # systemd's last read stands 30 s
+SETTLED = Memory(baseline=((0, GEN), (1, "cc" * 16)), failing_since=NOW - 5)
+
+
+def read_ago(seconds: float) -> LocalEvidence:
+    return replace(UP, read_at=NOW - seconds)
 
 
 def restarting(age: float) -> PeerEvidence:
@@ -113,6 +119,8 @@ class Case:
     completion: ProbeEvidence | None = None
     progress: tuple[ProgressReading, ...] = ()
     cause: str = DEATH  # of the RestartShard actions expected
+    gone: tuple[str, ...] = ()  # units whose main process is gone (held_read)
+    rank_reason: str = ""  # in this node's rank's own reason
 
 
 CASES = [
@@ -129,6 +137,34 @@ CASES = [
          memory=Memory(served=OLD_GEN), state=STARTING, reason="not answering yet"),
     Case("systemd unreachable", local=None, systemd_error="Timeout was reached",
          state=DEGRADED, reason="rank 0 on a: systemd unreachable: Timeout was reached"),
+    # -- systemd busy is not a dead shard (judge.held_read)
+    Case("systemd silent, the last read within the grace: it stands",
+         policy=HOLDING, local=read_ago(25), systemd_error="Timeout was reached",
+         reason="all 2 ranks ready",
+         rank_reason="(as read 25 s ago; systemd not answering: Timeout was reached)"),
+    Case("systemd silent, a worker's last read within the grace: it stands",
+         policy=replace(HOLDING, rank=1, serving=False), local=read_ago(5), probe=None,
+         peers={"a": peer("a", shard(0, "a"))}, systemd_error="Timeout was reached"),
+    Case("systemd silent, the last read older than the grace: unknown", policy=HOLDING,
+         local=read_ago(31), systemd_error="Timeout was reached", state=DEGRADED,
+         reason="rank 0 on a: systemd unreachable: Timeout was reached"),
+    Case("systemd silent and the engine's main process gone: unknown at once",
+         policy=HOLDING, local=read_ago(1), systemd_error="Timeout was reached",
+         gone=("llmgw-rep-engine.service",), state=DEGRADED,
+         reason="systemd unreachable: Timeout was reached; main process gone: "
+                "llmgw-rep-engine.service"),
+    Case("systemd silent with no grace configured: unknown at once", local=read_ago(1),
+         systemd_error="Timeout was reached", state=DEGRADED, reason="systemd unreachable"),
+    Case("systemd silent, the held read's probe refused: out", policy=HOLDING,
+         local=read_ago(3), systemd_error="Timeout was reached", probe=PROBE_REFUSED,
+         memory=SERVED, state=DEGRADED, reason="stopped answering"),
+    Case("systemd silent: a peer's failure restarts nothing until it answers",
+         policy=HOLDING, local=read_ago(3), systemd_error="Timeout was reached",
+         memory=SETTLED, peers={"b": peer("b", shard(1, "b", FAILED))}, state=FAILED,
+         reason="rank 1 on b"),
+    Case("systemd answers again: the same failure restarts the group", policy=HOLDING,
+         memory=SETTLED, peers={"b": peer("b", shard(1, "b", FAILED))}, state=FAILED,
+         restarts=1),
     Case("peer's answer too old", peers={"b": peer("b", shard(1, "b"), age=6)},
          state=DEGRADED, reason="report from the supervisor on b is 6 s old"),
     Case("peer unreachable", peers={"b": peer("b", error="connection refused")},
@@ -447,9 +483,11 @@ CASES = [
 def test_judge(case: Case) -> None:
     verdict = judge(case.policy, case.memory, local=case.local,
                     systemd_error=case.systemd_error, probe=case.probe, peers=case.peers,
-                    now=NOW, completion=case.completion, progress=case.progress)
+                    now=NOW, completion=case.completion, progress=case.progress,
+                    gone=case.gone)
     assert verdict.health.state == case.state, verdict.health
     assert case.reason in verdict.health.reason, verdict.health
+    assert case.rank_reason in verdict.ranks[case.policy.rank].reason, verdict.ranks
     assert len(verdict.actions) == case.restarts
     assert all(a == RestartShard("rep", a.reason, case.cause) for a in verdict.actions)
     ignored = [line for seen in case.peers.values() for line in refused(case.policy, seen)]

@@ -19,7 +19,8 @@ from llmgw_systemd.supervisor.state_file import check_writable
 def supervise(specs: tuple[str, ...], *, node: str | None, user_manager: bool, listen: str,
               local: str | None, peer_port: int | None, tls_cert: str | None,
               tls_key: str | None, tls_ca: str | None, state_dir: str | None,
-              dbus_timeout: float, peer_timeout: float, peer_grace: float) -> None:
+              dbus_timeout: float, peer_timeout: float, peer_grace: float,
+              systemd_grace: float) -> None:
     """Serve until SIGTERM or SIGINT."""
     gc.enable()  # a long-running daemon: the CLI's entry point turned it off
     host, port = _endpoint("--listen", listen)
@@ -41,7 +42,7 @@ def supervise(specs: tuple[str, ...], *, node: str | None, user_manager: bool, l
         runtime_dir=os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None,
         user=user_manager, listen_host=host, listen_port=port, local=extra,
         peer_port=peer_port or port, tls=tls, dbus_timeout=dbus_timeout,
-        peer_timeout=peer_timeout, peer_grace=peer_grace)
+        peer_timeout=peer_timeout, peer_grace=peer_grace, systemd_grace=systemd_grace)
     try:
         serve(config, (signal.SIGTERM, signal.SIGINT))
     except OSError as exc:

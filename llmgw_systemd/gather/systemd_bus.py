@@ -338,6 +338,21 @@ class SystemdBus:
         if self._on_change is not None:
             self._manager_subscribe(self._connection())  # match rules live in dbus-daemon
 
+    def recover(self) -> None:
+        """After a call failed: a connection that closed is made again (reconnect); on
+        one still open (a manager too busy to answer in time) the manager is asked to
+        Subscribe() again, since the one that timed out may never have reached it, and
+        the next snapshot reads every unit. Raises BusError while it still does not
+        answer."""
+        with self._lock:
+            closed = self._con is None or self._con.is_closed()
+        if closed:
+            self.reconnect()
+            return
+        with self._lock:
+            self._everything_changed = True
+        self.resubscribe()
+
     def reconnect(self) -> None:
         """Drop the connection; the next call connects (and subscribes) again."""
         with self._lock:

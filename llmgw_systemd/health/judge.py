@@ -11,6 +11,10 @@ Rules (docs/supervisor.md):
   for `probe_fresh` seconds; a peer's report for `peer_fresh` seconds, or, while that
   peer refuses connections (its supervisor restarting) and this rank is ready, for
   `peer_grace` seconds (held_over). "Ready" needs fresh evidence for every rank.
+- systemd busy is not a dead shard (held_read): while it does not answer, this node's
+  last read stands for `systemd_grace` seconds from the read, and only while every main
+  process that read named still runs (the kernel's word, gathered by the daemon). On a
+  held read nothing is restarted: a death is decided on what systemd says again.
 - Slow is not down (_slow_probe): a health probe that timed out on a rank that served
   counts at once only when the engine took no step while it waited; while it stepped,
   the rank is busy; when its metrics cannot tell, `probe_timeouts` in a row count.
@@ -109,6 +113,9 @@ class ReplicaPolicy:
     # how long a peer's last answer stands while its supervisor refuses connections and
     # this rank is ready (held_over); 0: not at all
     peer_grace: float = 0.0
+    # how long this node's last read of its units stands while systemd does not answer
+    # (held_read); 0: not at all
+    systemd_grace: float = 0.0
     follows_leader: bool = False  # ranks >= 1 joined rank 0's rendezvous (vLLM, SGLang)
     completion_fresh: float | None = None  # a generation check counts this long; None: off
     stall_after: float = 0  # seconds; 0: no stall detection (no metrics to read, or off)
@@ -279,17 +286,37 @@ def _check_failing(memory: Memory, generation: str, completed: ProbeEvidence | N
     return held if held is not None else (generation, completed.taken_at)
 
 
+def held_read(policy: ReplicaPolicy, local: LocalEvidence | None, systemd_error: str,
+              gone: Sequence[str], now: float) -> tuple[LocalEvidence | None, str]:
+    """This node's last read of its units while systemd does not answer (a manager busy
+    reloading beside engines restarting missed a call's timeout: a node's whole API then
+    said `unknown`, a healthy replica's too): it stands for `systemd_grace` seconds from
+    the read, and only while none of the main processes it named is gone (`gone`: the
+    units whose MainPID no longer runs, or is a zombie systemd has not reaped). Returns
+    the read that counts (None: none does) and what to say of it."""
+    if not systemd_error or local is None:
+        return local, ""
+    age = now - local.read_at
+    if age > policy.systemd_grace:
+        return None, ""
+    if gone:
+        return None, f"; main process gone: {', '.join(gone)}"
+    return local, f" (as read {age:.0f} s ago; systemd not answering: {systemd_error})"
+
+
 def local_rank(policy: ReplicaPolicy, memory: Memory, local: LocalEvidence | None,
                systemd_error: str, probe: ProbeEvidence | None,
                now: float, completion: ProbeEvidence | None = None,
                progress: Sequence[ProgressReading] = (),
-               requests: tuple[DrainRequest, ...] = (),
+               requests: tuple[DrainRequest, ...] = (), note: str = "",
                ) -> tuple[RankReport, str, Memory, Liveness | None]:
     """This node's rank: its report, its generation, the updated memory, and (for the
-    serving rank, with stall detection on) what its engine's progress says."""
+    serving rank, with stall detection on) what its engine's progress says. local: the
+    read that counts (held_read), note: what held_read said of it."""
     node = policy.nodes[policy.rank]
     if local is None:
-        why = f"systemd unreachable: {systemd_error}" if systemd_error else "no data yet"
+        why = (f"systemd unreachable: {systemd_error}{note}" if systemd_error
+               else "no data yet")
         asked = origin(policy.name, node, policy.target, "", False, requests)
         return RankReport(policy.rank, node, UNKNOWN, why, draining=asked), "", memory, None
     generation = local.generation
@@ -335,8 +362,8 @@ def local_rank(policy: ReplicaPolicy, memory: Memory, local: LocalEvidence | Non
         health = Health(FAILED, f"stalled: {live.reason}")
     cause = origin(policy.name, node, policy.target, local.target.job_type,
                    memory.restart_pending is not None, requests)
-    return (RankReport(policy.rank, node, health.state, health.reason, draining=cause),
-            generation, memory, live)
+    return (RankReport(policy.rank, node, health.state, health.reason + note,
+                       draining=cause), generation, memory, live)
 
 
 def counts(policy: ReplicaPolicy, seen: PeerEvidence, shard: PeerShard) -> bool:
@@ -413,12 +440,14 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
           peers: Mapping[str, PeerEvidence], now: float,
           completion: ProbeEvidence | None = None,
           progress: Sequence[ProgressReading] = (),
-          requests: tuple[DrainRequest, ...] = ()) -> Verdict:
+          requests: tuple[DrainRequest, ...] = (), gone: Sequence[str] = ()) -> Verdict:
     """One replica's health, and what to do about it. progress: the serving rank's
     metrics readings, oldest first (progress.keep bounds them); requests: the operators'
-    drains in effect on this node."""
+    drains in effect on this node; gone: while systemd does not answer, the units of
+    this node's shard whose main process no longer runs (held_read)."""
+    local, note = held_read(policy, local, systemd_error, gone, now)
     mine, generation, memory, live = local_rank(policy, memory, local, systemd_error, probe,
-                                                now, completion, progress, requests)
+                                                now, completion, progress, requests, note)
     reports = [mine]
     generations = {policy.rank: generation}
     versions = [RankVersion(policy.rank, policy.nodes[policy.rank],
@@ -454,11 +483,12 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
     # (reset-failed): a group restart here would spend the budget and start nothing
     held = local is not None and any(u.active_state == "failed" and u.result == START_LIMIT
                                      for u in local.members)
-    verdict = _group_restart(policy, verdict, now,
-                             engine_since=local.engine_since if local else None,
-                             leader_started=leader_started, start_limited=held,
-                             target_stopped=local is not None and stopped_here(local.target),
-                             rejoin=must_rejoin(versions, policy.rank))
+    if not systemd_error:  # a restart is decided on what systemd says now (held_read)
+        verdict = _group_restart(policy, verdict, now,
+                                 engine_since=local.engine_since if local else None,
+                                 leader_started=leader_started, start_limited=held,
+                                 target_stopped=local is not None and stopped_here(local.target),
+                                 rejoin=must_rejoin(versions, policy.rank))
     own = stopping(local.target.job_type, verdict.memory.restart_pending is not None) \
         if local is not None else None
     return _drain(policy, replace(verdict, stopping=own), now, progress)

@@ -52,6 +52,12 @@ from llmgw_systemd.supervisor.config import SupervisorConfig
               help="How long a peer's last answer stands while its node refuses "
                    "connections (its supervisor restarting) and this node's rank is ready; "
                    "0: not at all.")
+@click.option("--systemd-grace", type=click.FloatRange(0, 600),
+              default=SupervisorConfig.systemd_grace,
+              show_default=True, metavar="SECONDS",
+              help="How long this node's last read of its units stands while systemd does "
+                   "not answer, as long as their main processes run; nothing is restarted "
+                   "meanwhile; 0: not at all.")
 @VERSION_OPTION
 def supervisor_command(specs: tuple[str, ...], **options: Any) -> None:
     """Watch this node's shards through systemd, judge replica health with the peer

@@ -35,6 +35,10 @@ class SupervisorConfig:
     peer_grace: float = 20.0
     peer_max_bytes: int = 1 << 20
     dbus_timeout: float = 5.0
+    # this node's last read of its units stands this long while systemd does not answer,
+    # and only while their main processes run (judge.held_read): a manager reloading
+    # beside engines restarting on a loaded node missed several 5 s call timeouts
+    systemd_grace: float = 30.0
     max_connections: int = 4096
 
     @property

@@ -35,6 +35,7 @@ from typing import Any
 
 from llmgw_systemd import __version__
 from llmgw_systemd.errors import BusError, LlmgwError, PeerError, SpecError, StateError
+from llmgw_systemd.gather import processes
 from llmgw_systemd.gather.engine_metrics import read_progress
 from llmgw_systemd.gather.peer_client import PeerSession
 from llmgw_systemd.gather.probes import fetch_metrics, probe_completion, probe_http
@@ -428,7 +429,7 @@ class Supervisor:
             # the next one starts an interval after that and may take a timeout too.
             probe_fresh=check.interval + 2 * check.timeout + 1.0,
             peer_fresh=config.peer_wait + config.peer_timeout + 1.0,
-            peer_grace=config.peer_grace,
+            peer_grace=config.peer_grace, systemd_grace=config.systemd_grace,
             settle=settle,
             rejoin_after=(replica.stop_timeout + settle
                           if replica.engine.follows_leader(len(replica.nodes)) else None),
@@ -688,11 +689,11 @@ class Supervisor:
             self._lost(exc)
 
     def _lost(self, exc: BusError) -> None:
+        """systemd did not answer: what it said last stands, within the systemd grace
+        and while the kernel says its main processes run (judge.held_read)."""
         if not self.bus_error:
             log(f"lost systemd: {exc}")
         self.bus_error = str(exc)
-        with self.lock:
-            self.local.clear()  # never judge on what systemd said before it went away
 
     def reconcile(self) -> None:
         """Read what changed in systemd (on the slow tick: everything), then judge every
@@ -702,7 +703,7 @@ class Supervisor:
         shards = list(self.shards)
         try:
             if self.bus_error:
-                self.bus.reconnect()
+                self.bus.recover()
                 self._watch_or_raise()
             elif slow_tick:
                 self.bus.resubscribe()  # cheap; signals come back after a daemon-reexec
@@ -799,6 +800,9 @@ class Supervisor:
         with self.lock:
             local, probes, peers = dict(self.local), dict(self.probes), dict(self.peers)
             completions, readings = dict(self.completions), dict(self.readings)
+        # while systemd does not answer, the kernel's word on the processes it named
+        gone = {name: processes.gone(e.members) for name, e in local.items()} \
+            if self.bus_error else {}
         for shard in self.shards:
             name = shard.replica.name
             if only is not None and name not in only:
@@ -809,7 +813,7 @@ class Supervisor:
                             systemd_error=self.bus_error, probe=probes.get(name),
                             completion=completions.get(name),
                             progress=readings.get(name, ()), peers=peers, now=now,
-                            requests=self.requests)
+                            requests=self.requests, gone=gone.get(name, ()))
             self.memory[name] = verdict.memory
             self.verdicts[name] = verdict
             drains = self._count_drain(policy, before, verdict, now)

@@ -24,6 +24,9 @@ SUPERVISOR = str(BIN_DIR / "llmgw-supervisor")
 TARGET, ENGINE = "llmgw-shard.target", "llmgw-shard-engine.service"
 
 
+SYSTEMD_GRACE = 4  # seconds the last read stands while systemd does not answer
+
+
 class LocalSupervisor:
     def __init__(self, manager: UserManager, spec: Path, port: int) -> None:
         self.manager, self.spec, self.port = manager, spec, port
@@ -34,7 +37,7 @@ class LocalSupervisor:
     def start(self) -> None:
         self.process = subprocess.Popen(
             [SUPERVISOR, "--user", "--node", "node", "--listen", f"127.0.0.1:{self.port}",
-             "--state-dir", str(self.manager.state / "supervisor-state"), str(self.spec)],
+             "--systemd-grace", str(SYSTEMD_GRACE), "--state-dir", str(self.manager.state / "supervisor-state"), str(self.spec)],
             env=self.manager.env, stdout=self.log.open("ab"),
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         wait_until(lambda: self.get("/v1/shards") is not None, 20, "the supervisor's API")
@@ -102,8 +105,9 @@ def test_survives_daemon_reload_and_reexec(supervised: LocalSupervisor) -> None:
 def test_survives_the_bus_going_away(supervised: LocalSupervisor) -> None:
     supervised.wait("ready")
     supervised.manager.systemctl("stop", "dbus.service", "dbus.socket")
-    wait_until(lambda: "unreachable" in str(supervised.replica()["reason"]), 30,
-               "the supervisor to notice it lost systemd")
+    # its last read stands for the grace (its engine's process still runs), then not
+    wait_until(lambda: "unreachable" in str(supervised.replica()["reason"]),
+               30 + SYSTEMD_GRACE, "the supervisor to notice it lost systemd")
     assert supervised.alive()  # GLib would have SIGTERMed it
     supervised.manager.systemctl("start", "dbus.socket")
     supervised.wait("ready", timeout=60)

@@ -312,16 +312,53 @@ def test_stopped_unstarted_and_unrendered_units_cost_no_reads(node: Node,
 
 
 
-def test_a_manager_stall_says_unreachable_and_recovers(node: Node) -> None:
+def own_reason(sup: SupervisorProcess, name: str) -> str:
+    return str(sup.replica(name)["ranks"][0]["reason"])
+
+
+def test_a_manager_stall_holds_the_last_read_then_says_unreachable(node: Node) -> None:
+    """systemd frozen (as a manager busy reloading beside engines restarting): what it
+    said last stands for the grace, said as such, while its processes run; then the
+    rank is unknown and never ready until systemd answers again."""
     spec = node.setup()
     node.peer(B, "lie", report=report(("rep", 1, "b", "ready")))
-    sup = node.supervise(spec, extra=["--dbus-timeout", "1"])
+    sup = node.supervise(spec, extra=["--dbus-timeout", "1", "--systemd-grace", "12"])
     sup.wait_state("rep", "ready")
     manager_pid = node.manager.pid
     os.kill(manager_pid, signal.SIGSTOP)
     try:
-        sup.wait_state("rep", "degraded", reason="systemd unreachable", timeout=15)
+        wait_until(lambda: "systemd not answering" in own_reason(sup, "rep"), 15,
+                   "the held read")
+        assert node.state() == "ready"
+        sup.wait_state("rep", "degraded", reason="systemd unreachable", timeout=25)
         never_ready(node, 4)
+        assert sup.alive()
+    finally:
+        os.kill(manager_pid, signal.SIGCONT)
+    sup.wait_state("rep", "ready", timeout=30)
+
+
+def test_a_death_while_systemd_is_frozen_is_not_held(node: Node) -> None:
+    """systemd frozen, then a main process of a non-serving shard (no probe to tell)
+    killed: it is a zombie nobody reaps, and its replica leaves `ready` within the
+    grace; the other replica's held read still stands."""
+    spec = node.setup(side=True)
+    node.peer(B, "lie", report=report(("rep", 1, "b", "ready")))
+    node.peer(C, "lie", report=report(("side", 1, "c", "ready"), node="c"))
+    sup = node.supervise(spec, extra=["--dbus-timeout", "1", "--systemd-grace", "60"])
+    sup.wait_state("rep", "ready")
+    sup.wait_state("side", "ready")
+    side_engine = int(node.manager.show("llmgw-side-engine.service", "MainPID")["MainPID"])
+    assert side_engine > 1
+    manager_pid = node.manager.pid
+    os.kill(manager_pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: "systemd not answering" in own_reason(sup, "side"), 15,
+                   "the held read")
+        os.kill(side_engine, signal.SIGKILL)
+        sup.wait_state("side", "degraded", reason="main process gone", timeout=15)
+        assert node.state("rep") == "ready"  # its process runs: its read still stands
+        assert "systemd not answering" in own_reason(sup, "rep")
         assert sup.alive()
     finally:
         os.kill(manager_pid, signal.SIGCONT)
@@ -339,7 +376,8 @@ def test_a_dbus_stall_longer_than_the_watchdog(node: Node, tmp_path: Path) -> No
         ["systemd-run", "--user", f"--unit={unit}", "--property=Type=notify",
          "--property=NotifyAccess=main", "--property=WatchdogSec=2",
          str(Path(SUPERVISOR)), "--user", "--node", "node", "--listen",
-         f"127.0.0.1:{node.port}", "--dbus-timeout", "1", "--state-dir",
+         f"127.0.0.1:{node.port}", "--dbus-timeout", "1", "--systemd-grace", "2",
+         "--state-dir",
          str(tmp_path / "state"), str(spec)],
         env=node.manager.env, capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 0, run.stderr
