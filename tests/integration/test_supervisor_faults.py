@@ -37,7 +37,8 @@ class LocalSupervisor:
     def start(self) -> None:
         self.process = subprocess.Popen(
             [SUPERVISOR, "--user", "--node", "node", "--listen", f"127.0.0.1:{self.port}",
-             "--systemd-grace", str(SYSTEMD_GRACE), "--state-dir", str(self.manager.state / "supervisor-state"), str(self.spec)],
+             "--systemd-grace", str(SYSTEMD_GRACE), "--state-dir",
+             str(self.manager.state / "supervisor-state"), str(self.spec)],
             env=self.manager.env, stdout=self.log.open("ab"),
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         wait_until(lambda: self.get("/v1/shards") is not None, 20, "the supervisor's API")
