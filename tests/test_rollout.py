@@ -8,6 +8,7 @@ import pytest
 from llmgw_systemd.apply.rollout import (
     ReplicaFiles,
     Step,
+    SupervisorSeen,
     SystemctlShow,
     Versions,
     behind_ranks,
@@ -151,12 +152,13 @@ def two_ranks(behind: tuple[str, ...] | None, running: str = OLD, why: str = "")
      "for it to be routable again)"),
     # the engine runs what its units carry: a re-run does nothing
     ("same", two_ranks((), running=NEW), True, [], "replica a: nothing to do"),
-    # nothing to ask: restarts at once, as before staging
-    ("changed", two_ranks(None, why="this node's supervisor: refused"), True,
+    # a rank's version not known (an earlier release's supervisor reports none): nobody
+    # can tell which node is last; restarts at once, as before staging
+    ("changed", two_ranks(None, why="rank 1 on node-b: no version reported"), True,
      [Step("write"), Step("daemon-reload"), Step("restart", (T,)), WAIT],
      "replica a: restarted (changed: llmgw-a-engine.service; the other ranks' versions are "
-     "not known (this node's supervisor: refused): restarted at once; then waits up to 90 s "
-     "for it to be routable again)"),
+     "not known (rank 1 on node-b: no version reported): restarted at once; then waits up "
+     "to 90 s for it to be routable again)"),
     # --no-wait: the behaviour before staging
     ("changed", two_ranks(("rank 1 on node-b",)), False,
      [Step("write"), Step("daemon-reload"), Step("restart", (T,))],
@@ -206,6 +208,44 @@ def test_when_a_restarted_replica_is_back(state: str, routable: bool, running: l
     ranks = [(k, ("node-a", "node-b")[k], digest) for k, digest in enumerate(running)]
     assert not_back_yet(state, "rank 1 on node-b waits for its rendezvous", routable, ranks,
                         NEW) == why
+
+
+UNREACHED = "the supervisor at 127.0.0.1:9470: Connection refused"
+ONE_NODE = Versions(NEW, running=OLD, ready_within=90, notice=5)
+
+
+@pytest.mark.parametrize(("what", "version", "seen", "wait", "refused"), [
+    ("its unit is active but it cannot be asked (it listens on the node's address only)",
+     ONE_NODE, SupervisorSeen(UNREACHED, running=True), True, "its unit is active"),
+    ("a replica spanning nodes, and no supervisor to ask",
+     two_ranks(None, why=f"this node's supervisor: {UNREACHED}"),
+     SupervisorSeen(UNREACHED), True, "a replica spanning nodes needs it"),
+    ("--no-wait: restarted, nothing waited for", ONE_NODE,
+     SupervisorSeen(UNREACHED, running=True), False, ""),
+    ("one node and no supervisor at all: the units' state is waited for", ONE_NODE,
+     SupervisorSeen(UNREACHED), True, ""),
+    ("it answered", ONE_NODE, SupervisorSeen(), True, ""),
+])
+def test_an_apply_that_cannot_ask_a_supervisor_that_is_there_does_nothing(
+        what: str, version: Versions, seen: SupervisorSeen, wait: bool, refused: str) -> None:
+    rollout = decide([files("changed")], {T: ON, E: ON}, files_dirty=True, start_new=False,
+                     versions={"a": version}, wait=wait, supervisor=seen)
+    if refused:
+        assert rollout.steps == ()
+        assert refused in rollout.refused
+        assert UNREACHED in rollout.refused and "--no-wait" in rollout.refused
+        assert "--local=127.0.0.1:9470" in rollout.refused
+    else:
+        assert rollout.refused == ""
+        assert Step("restart", (T,)) in rollout.steps
+
+
+def test_an_unreached_supervisor_refuses_nothing_that_only_writes() -> None:
+    """A replica that is not running is only updated: nothing to wait for."""
+    rollout = decide([files("changed")], {}, files_dirty=True, start_new=False,
+                     versions={"a": ONE_NODE}, supervisor=SupervisorSeen(UNREACHED, True))
+    assert rollout.refused == ""
+    assert list(rollout.steps) == [Step("write"), Step("daemon-reload")]
 
 
 def test_stopped_replica_is_updated_not_staged() -> None:

@@ -23,6 +23,12 @@ nodes applies (docs/generator.md, "Rolling a change"): until then an apply *stag
 (files written and reloaded, nothing restarted). Which node is last comes from the
 versions the other ranks' units carry, as this node's supervisor reports them; with no
 supervisor to ask, an apply restarts at once, as before.
+
+An apply that would restart a replica and wait for it, but cannot reach a supervisor
+that is there (its unit is active on this node, or the replica spans nodes, which needs
+one), does nothing at all (`Rollout.refused`): waiting on the units' state alone restarted
+the next node's replicas while this one was still out of rotation (issue 37). A
+supervisor that answers that it does not watch the replica (HTTP 404) is no such case.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL
 from llmgw_systemd.spec.names import DIGEST_SHOWN as SHOWN
 from llmgw_systemd.units.header import replica_of
 from llmgw_systemd.units.plan import ShardPlan
@@ -139,6 +146,15 @@ class Outcome:
 class Rollout:
     steps: tuple[Step, ...]
     outcomes: tuple[Outcome, ...]
+    refused: str = ""  # why nothing may be done at all ("": go on)
+
+
+@dataclass(frozen=True)
+class SupervisorSeen:
+    """This node's supervisor as an apply found it."""
+
+    unreached: str = ""  # how asking it failed (no connection, no answer); "": it answered
+    running: bool = False  # its unit is active on this node's manager
 
 
 NOTHING = ("nothing to do", "nothing to do")
@@ -174,13 +190,15 @@ def group_files(files: Sequence[tuple[str, str, str | None]], plans: Sequence[Sh
 
 def decide(replicas: Sequence[ReplicaFiles], states: Mapping[str, SystemctlShow], *,
            files_dirty: bool, start_new: bool,
-           versions: Mapping[str, Versions] | None = None, wait: bool = True) -> Rollout:
+           versions: Mapping[str, Versions] | None = None, wait: bool = True,
+           supervisor: SupervisorSeen = SupervisorSeen()) -> Rollout:
     """The steps and per-replica lines for one apply. states: every existing unit's
     state (a unit missing from it counts as inactive and unknown to systemd); versions:
     per replica, what is known of its spec versions; wait=False (--no-wait) is the
     behaviour before staging: every changed replica restarts at once, nothing waited
-    for."""
+    for; supervisor: whether this node's supervisor could be asked."""
     known = versions or {}
+    blind: list[str] = []  # replicas whose wait could not ask a supervisor that is there
     def state(unit: str) -> SystemctlShow:
         return states.get(unit, SystemctlShow())
 
@@ -251,6 +269,9 @@ def decide(replicas: Sequence[ReplicaFiles], states: Mapping[str, SystemctlShow]
                 continue
             detail += _restart_note(version, wait=wait)
             restarts.append(Step("restart", (replica.target,)))
+            if wait and supervisor.unreached and (supervisor.running or (
+                    version is not None and version.ranks > 1)):
+                blind.append(replica.name)
             if wait and version is not None:
                 restarts.append(Step("wait", (replica.target,), replica=replica.name,
                                      digest=version.digest, within=version.ready_within,
@@ -276,7 +297,20 @@ def decide(replicas: Sequence[ReplicaFiles], states: Mapping[str, SystemctlShow]
         steps.append(Step("enable", tuple(enables)))
     steps.extend(restarts)
     steps.extend(Step("start", (t,)) for t in starts)
+    if blind:
+        return Rollout((), tuple(outcomes), refused=_blind(blind, supervisor))
     return Rollout(tuple(steps), tuple(outcomes))
+
+
+def _blind(replicas: Sequence[str], supervisor: SupervisorSeen) -> str:
+    there = ("its unit is active" if supervisor.running
+             else "a replica spanning nodes needs it")
+    return (f"replica {', '.join(replicas)} would restart, but this node's supervisor, "
+            f"which is there ({there}), cannot be asked whether it is routable again: "
+            f"{supervisor.unreached}. Nothing was done. Give the supervisor a loopback "
+            f"listener (--local={SUPERVISOR_LOCAL} in LLMGW_SUPERVISOR_ARGS, "
+            f"/etc/default/llmgw-supervisor), or pass --no-wait to restart without "
+            f"waiting")
 
 
 def behind_ranks(others: Sequence[tuple[int, str, str]], digest: str

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from llmgw_systemd import __version__
 from llmgw_systemd.apply.rollout import (
+    RUNNING_STATES,
+    SupervisorSeen,
     SystemctlShow,
     Versions,
     behind_ranks,
@@ -26,7 +28,7 @@ from llmgw_systemd.helpers.local_api import get_replica
 from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL
 from llmgw_systemd.spec.model import Replica
 from llmgw_systemd.units.install import apply_locked, locked, survey, unified_diff
-from llmgw_systemd.units.plan import ShardPlan, ready_within
+from llmgw_systemd.units.plan import SUPERVISOR_UNIT, ShardPlan, ready_within
 
 SUPERVISOR_ASK_TIMEOUT = 3.0  # seconds for this node's supervisor to answer an apply
 WAIT_POLL = 1.0  # seconds between looks while an apply waits for a replica
@@ -53,9 +55,12 @@ def render_and_apply(directory: str, rendered: dict[str, str], plans: tuple[Shar
             warn(f"note: {note}")
         groups = group_files([(c.name, c.action, c.old) for c in result.changes], plans)
         states = unit_states(user_manager, [u for g in groups for u in g.existing])
-        versions = _versions(plans, replicas, states)
+        seen = _supervisor_seen(plans, user_manager) if wait else SupervisorSeen()
+        versions = _versions(plans, replicas, states, seen)
         rollout = decide(groups, states, files_dirty=result.dirty, start_new=start_new,
-                         versions=versions, wait=wait)
+                         versions=versions, wait=wait, supervisor=seen)
+        if rollout.refused:
+            raise LlmgwError(rollout.refused)
         if dry_run:
             say(unified_diff(result.changes, directory), end="")
             say("\n".join(o.line(dry_run=True) for o in rollout.outcomes))
@@ -69,7 +74,7 @@ def render_and_apply(directory: str, rendered: dict[str, str], plans: tuple[Shar
                     plan = next(p for p in plans if p.replica == step.replica)
                     _wait_routable(step.replica, step.digest, step.within, user_manager,
                                    (plan.target.name, *(s.name for s in plan.services)),
-                                   notice=step.notice)
+                                   notice=step.notice, unreached=seen.unreached)
                 else:
                     systemctl(user_manager, step.verb,
                               *(("--", *step.units) if step.units else ()))
@@ -82,8 +87,25 @@ def render_and_apply(directory: str, rendered: dict[str, str], plans: tuple[Shar
     say("\n".join(o.line(dry_run=False) for o in rollout.outcomes))
 
 
+def _supervisor_seen(plans: Sequence[ShardPlan], user_manager: bool) -> SupervisorSeen:
+    """Whether this node's supervisor can be asked (one question, about the first
+    replica: an answer, a 404 included, says it listens), and if not, whether its unit
+    is active all the same (listening on the node's address only, say)."""
+    if not plans:
+        return SupervisorSeen()
+    try:
+        _ask_supervisor(plans[0].replica)
+    except PeerError as exc:
+        if exc.kind == "http-status":
+            return SupervisorSeen()
+        state = unit_states(user_manager, [SUPERVISOR_UNIT]).get(SUPERVISOR_UNIT)
+        return SupervisorSeen(str(exc), state is not None and state.active in RUNNING_STATES)
+    return SupervisorSeen()
+
+
 def _versions(plans: Sequence[ShardPlan], replicas: dict[str, Replica],
-              states: dict[str, SystemctlShow]) -> dict[str, Versions]:
+              states: dict[str, SystemctlShow], seen: SupervisorSeen
+              ) -> dict[str, Versions]:
     """Per replica of this node, its spec versions as an apply can know them: what its
     engine here started with (its own environment), and which other ranks' units do not
     carry the new version yet (this node's supervisor's view)."""
@@ -93,7 +115,9 @@ def _versions(plans: Sequence[ShardPlan], replicas: dict[str, Replica],
         running = running_digest(engine.main_pid) if engine is not None else ""
         behind: tuple[str, ...] | None = ()
         why = ""
-        if plan.ranks > 1:
+        if plan.ranks > 1 and seen.unreached:
+            behind, why = None, f"this node's supervisor: {seen.unreached}"
+        elif plan.ranks > 1:
             try:
                 view = _ask_supervisor(plan.replica)
             except PeerError as exc:
@@ -117,33 +141,40 @@ def _ask_supervisor(replica: str) -> ReplicaAnswer:
 
 
 def _wait_routable(name: str, digest: str, within: int, user_manager: bool,
-                   units: tuple[str, ...], *, notice: int) -> None:
+                   units: tuple[str, ...], *, notice: int, unreached: str) -> None:
     """Until the replica is routable again on its supervisor's cluster-wide view, every
     rank running `digest`, and then `notice` seconds more, so that the gateways have it
-    back in rotation before anything else goes out; without a supervisor, until its
-    units here are active."""
-
-
+    back in rotation before anything else goes out; without a supervisor (unreached:
+    how asking it failed before the restart), or one that does not watch the replica,
+    until its units here are active."""
     warn(f"replica {name}: waiting up to {within} s for it to be routable again")
+    supervised = not unreached
+    if unreached:
+        warn(f"note: cannot wait for replica {name} to be routable: no supervisor on this "
+             f"node says ({unreached}); waiting for its units to be active instead")
     started = time.monotonic()
     ends = started + within
     last = "no answer yet"
-    supervised = True
     while True:
         if supervised:
             try:
                 view = _ask_supervisor(name)
             except PeerError as exc:
-                supervised = False
-                warn(f"note: cannot wait for replica {name} to be routable: this "
-                     f"node's supervisor does not say ({exc}); waiting for its units "
-                     "to be active instead")
-                continue
-            last = not_back_yet(view.state, view.reason, view.routable,
-                                [(r.rank, r.node, r.running_digest) for r in view.ranks],
-                                digest)
-            if not last:
-                break
+                if exc.kind == "http-status":
+                    supervised = False
+                    warn(f"note: cannot wait for replica {name} to be routable: this "
+                         f"node's supervisor does not watch it ({exc}); waiting for its "
+                         "units to be active instead")
+                    continue
+                # it answered before the restart: it is restarting, or its node is
+                # busy; only its answer counts, within the bound
+                last = str(exc)
+            else:
+                last = not_back_yet(view.state, view.reason, view.routable,
+                                    [(r.rank, r.node, r.running_digest) for r in view.ranks],
+                                    digest)
+                if not last:
+                    break
         else:
             states = unit_states(user_manager, list(units))
             down = [u for u in units if states.get(u) is None or states[u].active != "active"]

@@ -12,12 +12,14 @@ from entry_guard import NOT_FOR_RENDER, run_entry
 from helpers import snapshot
 from installed import RENDER
 from specs import PYTHON, free_port, write, yaml_list
-from systemd_harness import UserManager, cgroup_pids, pid_alive, wait_until
+from supervisors import SUPERVISOR, ApiReader
+from systemd_harness import UserManager, cgroup_pids, pid_alive, port_is_free, wait_until
 
 from llmgw_systemd.spec.document import parse
+from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL
 from llmgw_systemd.spec.names import DIGEST_VAR
 from llmgw_systemd.spec.replicas import build_spec
-from llmgw_systemd.units.plan import ready_within
+from llmgw_systemd.units.plan import SUPERVISOR_UNIT, ready_within
 
 pytestmark = pytest.mark.integration
 
@@ -114,8 +116,8 @@ def test_apply_restarts_only_what_changed_and_stops_what_left(one_node: UserMana
         f"{waits(spec, 'a')})", "replica b: nothing to do"]
     # no supervisor on this node: it says it cannot wait for routable, and waits for the
     # units to be active instead
-    assert ("cannot wait for replica a to be routable: this node's supervisor does not "
-            "say (") in changed.stderr
+    assert ("cannot wait for replica a to be routable: no supervisor on this node says "
+            "(") in changed.stderr
     assert "replica a: its units here are active after" in changed.stderr
     wait_until(lambda: engine_pid(one_node, "a") != a_pid, 30, "a's engine to restart")
     assert "--directory /tmp" in one_node.show("llmgw-a-engine.service", "ExecStart")[
@@ -267,8 +269,9 @@ def test_a_replica_not_back_in_time_ends_the_apply_and_a_rerun_finishes(
 def test_apply_of_a_multi_node_replica_loads_nothing_of_the_supervisor(
         one_node: UserManager, tmp_path: Path) -> None:
     """--apply of a rank of a two-node replica asks this node's supervisor (none here:
-    refused) about the other rank, restarts, and waits for its units: all without
-    asyncio, h11, D-Bus or the daemon, checked on the running program."""
+    refused) about the other rank; a replica spanning nodes needs one, so the change is
+    refused with nothing done; with --no-wait it restarts: all without asyncio, h11,
+    D-Bus or the daemon, checked on the running program."""
     spec = tmp_path / "spec.yaml"
 
     def duo(seconds: str) -> str:
@@ -281,14 +284,62 @@ def test_apply_of_a_multi_node_replica_loads_nothing_of_the_supervisor(
                 "    ranks:\n" + rank + rank)
 
     write(spec, duo("infinity"))
-    for attempt in ("new", "changed"):
+    for attempt, extra, status in (("new", [], 0), ("changed", [], 1),
+                                   ("changed", ["--no-wait"], 0)):
+        before = engine_pid(one_node, "duo") if attempt == "changed" else 0
+        files = snapshot(one_node.unit_dir)
         proc, refused = run_entry("llmgw_systemd.cli:render_main", "llmgw-render",
-                                  ["--user", "--apply", "--node", "node", str(spec)],
+                                  ["--user", "--apply", "--node", "node", *extra, str(spec)],
                                   NOT_FOR_RENDER, tmp_path, env=one_node.env, timeout=300)
         assert refused == [], f"--apply ({attempt}) tried to import {refused}: {proc.stderr}"
-        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
-        if attempt == "changed":  # it asked the supervisor, then waited for the units
+        assert proc.returncode == status and "Traceback" not in proc.stderr, proc.stderr
+        if status == 1:  # it asked the supervisor: refused, so nothing done
+            assert "a replica spanning nodes needs it" in proc.stderr, proc.stderr
+            assert "Nothing was done" in proc.stderr and "--no-wait" in proc.stderr
+            assert engine_pid(one_node, "duo") == before
+            assert snapshot(one_node.unit_dir) == files
+        elif attempt == "changed":
             assert "replica duo: restarted" in proc.stdout, proc.stdout
-            assert "this node's supervisor does not say" in proc.stderr, proc.stderr
+            assert engine_pid(one_node, "duo") != before
         engine_pid(one_node, "duo")
         write(spec, duo("1d"))
+
+
+def test_apply_will_not_restart_blind_when_the_supervisor_is_there(
+        one_node: UserManager, tmp_path: Path) -> None:
+    """This node's supervisor runs as its unit, but listens on the node's address only
+    (no loopback listener): an apply that would restart a replica cannot ask it whether
+    the replica is routable again, so it does nothing, exit 1, naming the address it
+    tried and what to pass; --no-wait restarts."""
+    assert port_is_free(SUPERVISOR_LOCAL.port, SUPERVISOR_LOCAL.host), \
+        f"something listens on {SUPERVISOR_LOCAL} already: this test needs it free"
+    port = free_port()
+    health = "    health: {path: /, interval: 1, timeout: 1, stability: 0}\n"
+    spec = write(tmp_path / "spec.yaml", "replicas:\n" + replica("one", port, keys=health))
+    one_node.apply(spec, "node")
+    listen = f"127.0.0.2:{free_port()}"  # "the node's address"
+    one_node.systemctl("reset-failed", SUPERVISOR_UNIT, check=False)
+    started = subprocess.run(
+        ["systemd-run", "--user", f"--unit={SUPERVISOR_UNIT}", SUPERVISOR, "--user",
+         "--node", "node", "--listen", listen, "--state-dir", str(tmp_path / "state"),
+         str(spec)], env=one_node.env, capture_output=True, text=True, timeout=60,
+        check=False)
+    assert started.returncode == 0, started.stderr
+    try:
+        reader = ApiReader(one_node, "node", f"http://{listen}")
+        reader.wait_state("one", "ready", timeout=60)
+        before, files = engine_pid(one_node, "one"), snapshot(one_node.unit_dir)
+        write(spec, "replicas:\n" + replica("one", port, "--directory", "/", keys=health))
+        proc = one_node.apply(spec, "node", check=False)
+        assert proc.returncode == 1, (proc.stdout, proc.stderr)
+        assert f"the supervisor at {SUPERVISOR_LOCAL}" in proc.stderr, proc.stderr
+        assert "its unit is active" in proc.stderr and "Nothing was done" in proc.stderr
+        assert f"--local={SUPERVISOR_LOCAL}" in proc.stderr and "--no-wait" in proc.stderr
+        assert engine_pid(one_node, "one") == before
+        assert snapshot(one_node.unit_dir) == files
+        proc = one_node.apply(spec, "node", "--no-wait")
+        assert "replica one: restarted" in proc.stdout, proc.stdout
+        assert engine_pid(one_node, "one") != before
+    finally:
+        one_node.systemctl("stop", SUPERVISOR_UNIT, check=False)
+
