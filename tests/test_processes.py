@@ -1,10 +1,12 @@
 """gather.processes: the kernel's word on a unit's main process while systemd does not
 answer (judge.held_read). Real processes: one running, one a zombie nobody reaped (as
-under a manager too busy to reap), one gone."""
+under a manager too busy to reap), one gone; and the answer from inside the shipped
+unit's sandbox, where /proc hides other users' processes (ProtectProc=invisible)."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,13 +18,16 @@ def unit(name: str, pid: int) -> UnitState:
     return UnitState(name, "loaded", "active", "running", main_pid=pid)
 
 
+def state_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
 def test_running_zombie_and_missing_processes() -> None:
     running = subprocess.Popen(["sleep", "60"])
     zombie = subprocess.Popen(["true"])
     try:
         deadline = time.monotonic() + 10
-        while (Path(f"/proc/{zombie.pid}/stat").read_text().rpartition(")")[2].split()[0]
-               != "Z"):
+        while state_of(zombie.pid) != "Z":
             assert time.monotonic() < deadline, "the child never exited"
             time.sleep(0.01)
         finished = subprocess.Popen(["true"])
@@ -36,11 +41,35 @@ def test_running_zombie_and_missing_processes() -> None:
         zombie.wait()
 
 
-def test_a_name_with_spaces_and_parentheses_is_read_past(tmp_path: Path) -> None:
-    """COMM is whatever the process named itself: the state is after the last ')'."""
-    for pid, stat in ((41, "41 (a) Z (b) S 1 41"), (42, "42 (x) y) R 1 42"),
-                      (43, "43 (odd) Z 1 43")):
-        (tmp_path / str(pid)).mkdir()
-        (tmp_path / str(pid) / "stat").write_text(stat)
-    units = [unit("one", 41), unit("two", 42), unit("three", 43), unit("none", 44)]
-    assert gone(units, tmp_path) == ("three", "none")
+# Run as nobody, in a mount namespace whose /proc hides other users' processes, as
+# ProtectProc=invisible does: the root-owned process is invisible in /proc, yet runs.
+SANDBOXED = """
+import os, sys
+from llmgw_systemd.gather.processes import gone
+from llmgw_systemd.health.unit_state import UnitState
+pid = int(sys.argv[1])
+assert not os.path.exists(f"/proc/{pid}"), "the sandbox shows other users' processes"
+print(gone([UnitState("engine.service", "loaded", "active", "running", main_pid=pid)]))
+"""
+
+
+def test_a_process_hidden_from_proc_still_counts_as_running() -> None:
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        proc = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "--fork", "--",
+             "/bin/sh", "-ec", 'mount -t proc -o hidepid=invisible proc /proc; exec "$@"',
+             "sandbox", "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+             sys.executable, "-c", SANDBOXED, str(running.pid)],
+            capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "()", proc.stdout
+        running.kill()
+        running.wait()
+        proc = subprocess.run(
+            [sys.executable, "-c", SANDBOXED.replace("assert not", "assert True or"),
+             str(running.pid)], capture_output=True, text=True, timeout=60, check=False)
+        assert proc.stdout.strip() == "('engine.service',)", (proc.stdout, proc.stderr)
+    finally:
+        running.kill()
+        running.wait()

@@ -1,31 +1,36 @@
 """Whether the main processes systemd last named still run: the kernel's word on this
 node's shard while systemd itself does not answer (judge.held_read).
 
-A process that died while its manager was too busy to reap it is a zombie: it is gone
-as far as serving goes, so a zombie counts as gone, as does a PID no longer there.
+Asked with a pidfd, not /proc: the shipped supervisor runs with ProtectProc=invisible,
+which hides other users' processes (the engines') from its /proc. pidfd_open needs no
+permission, and its descriptor turns readable once the process has exited, a zombie its
+busy manager has not reaped included. A kernel that cannot say (no pidfd_open, a
+syscall filter) counts as gone: no hold without the kernel's word.
 """
 
 from __future__ import annotations
 
+import os
+import select
 from collections.abc import Iterable
-from pathlib import Path
 
 from llmgw_systemd.health.unit_state import UnitState
 
-PROC = Path("/proc")
 
-
-def _runs(pid: int, proc: Path) -> bool:
+def runs(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited."""
     try:
-        stat = (proc / str(pid) / "stat").read_text(encoding="ascii", errors="replace")
-    except OSError:
+        fd = os.pidfd_open(pid)
+    except OSError:  # ESRCH: no such process; anything else: the kernel cannot say
         return False
-    # "PID (COMM) STATE ...": COMM may hold spaces and parentheses; the state follows
-    # the last ")"
-    state = stat.rpartition(")")[2].split()[:1]
-    return bool(state) and state[0] not in ("Z", "X")
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return not poller.poll(0)
+    finally:
+        os.close(fd)
 
 
-def gone(units: Iterable[UnitState], proc: Path = PROC) -> tuple[str, ...]:
+def gone(units: Iterable[UnitState]) -> tuple[str, ...]:
     """The units whose main process, as last read, no longer runs (or is a zombie)."""
-    return tuple(u.name for u in units if u.main_pid > 0 and not _runs(u.main_pid, proc))
+    return tuple(u.name for u in units if u.main_pid > 0 and not runs(u.main_pid))
