@@ -210,20 +210,21 @@ def test_when_a_restarted_replica_is_back(state: str, routable: bool, running: l
                         NEW) == why
 
 
-UNREACHED = "the supervisor at 127.0.0.1:9470: Connection refused"
+LOCAL = "127.0.0.1:9470"
+UNREACHED = f"the supervisor at {LOCAL}: Connection refused"
 ONE_NODE = Versions(NEW, running=OLD, ready_within=90, notice=5)
 
 
 @pytest.mark.parametrize(("what", "version", "seen", "wait", "refused"), [
     ("its unit is active but it cannot be asked (it listens on the node's address only)",
-     ONE_NODE, SupervisorSeen(UNREACHED, running=True), True, "its unit is active"),
+     ONE_NODE, SupervisorSeen(UNREACHED, True, LOCAL), True, "its unit is active"),
     ("a replica spanning nodes, and no supervisor to ask",
      two_ranks(None, why=f"this node's supervisor: {UNREACHED}"),
-     SupervisorSeen(UNREACHED), True, "a replica spanning nodes needs it"),
+     SupervisorSeen(UNREACHED, False, LOCAL), True, "a replica spanning nodes needs it"),
     ("--no-wait: restarted, nothing waited for", ONE_NODE,
-     SupervisorSeen(UNREACHED, running=True), False, ""),
+     SupervisorSeen(UNREACHED, True, LOCAL), False, ""),
     ("one node and no supervisor at all: the units' state is waited for", ONE_NODE,
-     SupervisorSeen(UNREACHED), True, ""),
+     SupervisorSeen(UNREACHED, False, LOCAL), True, ""),
     ("it answered", ONE_NODE, SupervisorSeen(), True, ""),
 ])
 def test_an_apply_that_cannot_ask_a_supervisor_that_is_there_does_nothing(
@@ -243,7 +244,7 @@ def test_an_apply_that_cannot_ask_a_supervisor_that_is_there_does_nothing(
 def test_an_unreached_supervisor_refuses_nothing_that_only_writes() -> None:
     """A replica that is not running is only updated: nothing to wait for."""
     rollout = decide([files("changed")], {}, files_dirty=True, start_new=False,
-                     versions={"a": ONE_NODE}, supervisor=SupervisorSeen(UNREACHED, True))
+                     versions={"a": ONE_NODE}, supervisor=SupervisorSeen(UNREACHED, True, LOCAL))
     assert rollout.refused == ""
     assert list(rollout.steps) == [Step("write"), Step("daemon-reload")]
 

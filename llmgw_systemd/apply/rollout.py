@@ -37,7 +37,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from llmgw_systemd.spec.endpoint import SUPERVISOR_LOCAL
 from llmgw_systemd.spec.names import DIGEST_SHOWN as SHOWN
 from llmgw_systemd.units.header import replica_of
 from llmgw_systemd.units.plan import ShardPlan
@@ -155,6 +154,7 @@ class SupervisorSeen:
 
     unreached: str = ""  # how asking it failed (no connection, no answer); "": it answered
     running: bool = False  # its unit is active on this node's manager
+    address: str = ""  # where it was asked (HOST:PORT)
 
 
 NOTHING = ("nothing to do", "nothing to do")
@@ -308,7 +308,7 @@ def _blind(replicas: Sequence[str], supervisor: SupervisorSeen) -> str:
     return (f"replica {', '.join(replicas)} would restart, but this node's supervisor, "
             f"which is there ({there}), cannot be asked whether it is routable again: "
             f"{supervisor.unreached}. Nothing was done. Give the supervisor a loopback "
-            f"listener (--local={SUPERVISOR_LOCAL} in LLMGW_SUPERVISOR_ARGS, "
+            f"listener (--local={supervisor.address} in LLMGW_SUPERVISOR_ARGS, "
             f"/etc/default/llmgw-supervisor), or pass --no-wait to restart without "
             f"waiting")
 

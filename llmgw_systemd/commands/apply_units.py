@@ -99,7 +99,8 @@ def _supervisor_seen(plans: Sequence[ShardPlan], user_manager: bool) -> Supervis
         if exc.kind == "http-status":
             return SupervisorSeen()
         state = unit_states(user_manager, [SUPERVISOR_UNIT]).get(SUPERVISOR_UNIT)
-        return SupervisorSeen(str(exc), state is not None and state.active in RUNNING_STATES)
+        return SupervisorSeen(str(exc), state is not None and state.active in RUNNING_STATES,
+                              str(SUPERVISOR_LOCAL))
     return SupervisorSeen()
 
 

@@ -542,9 +542,12 @@ class Supervisor:
     # -- evidence in (any thread) ----------------------------------------------------------
 
     def generation_of(self, replica: str) -> str:
+        """The generation a probe is taken for: the last read's, held or not (a probe
+        through a systemd stall is what keeps a held read honest; the judge counts it
+        only while that read stands)."""
         with self.lock:
             local = self.local.get(replica)
-        return local.generation if local is not None and not self.bus_error else ""
+        return local.generation if local is not None else ""
 
     def add_probe(self, replica: str, kind: str, evidence: ProbeEvidence) -> None:
         with self.lock:
