@@ -17,7 +17,7 @@ One replica serves every scenario, in file order:
    rejoin a running rank 0): it comes back by itself.
 3. A planned restart of node-b, which serves nothing: node-a's endpoint leaves rotation
    and drains before any rank stops; not one request fails; the group comes back.
-(A planned restart of a serving node, and a rolled change, are test_engine_dp_hybrid.py's.)
+(A rolled change, with its planned restart of a serving node, is test_engine_dp_hybrid.py's.)
 
 Bounds here are the test's, never asserted figures."""
 
@@ -287,8 +287,9 @@ def planned_restart(cluster: Cluster, node: str) -> None:
 def roll(cluster: Cluster, value: str) -> None:
     """ROLLOUT=value into the data-parallel engines' environment, applied on node-a, then
     node-b (`llmgw-render --apply`) under the load: node-a's apply stages the replica,
-    node-b's restarts it once as a group; nothing fails, something is in rotation in every
-    sample, each engine starts exactly once more, with the change."""
+    node-b's restarts it once as a group; every endpoint leaves rotation (drained before
+    node-b's ranks stop), nothing fails, something is in rotation in every sample, each
+    engine starts exactly once more, with the change."""
     cluster.serving()
     write(cluster.spec, cluster.spec_for(value))
     lines: dict[str, list[str]] = {}
@@ -303,8 +304,12 @@ def roll(cluster: Cluster, value: str) -> None:
         back = time.monotonic()
         time.sleep(3)
         traffic.finish()
-    print(f"figure: roll over two nodes: back at +{back - asked:.0f} s; "
-          f"{summary(traffic.requests)}; {lines}")
+    out = {server: next((round(at - asked, 2) for at, up in sampler.samples
+                         if at > asked and up is not None and server not in up), None)
+           for server in cluster.endpoints}
+    print(f"figure: roll over two nodes: endpoints out at {out} s, back at "
+          f"+{back - asked:.0f} s; {summary(traffic.requests)}; {lines}")
+    assert all(t is not None for t in out.values()), out
     assert any(line.startswith("replica dp: staged") for line in lines["node-a"]), lines
     assert any(line.startswith("replica dp: restarted") for line in lines["node-b"]), lines
     assert not traffic.failed, traffic.failed[:5]
