@@ -5,11 +5,13 @@ unit's sandbox, where /proc hides other users' processes (ProtectProc=invisible)
 
 from __future__ import annotations
 
+import shutil
 import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
+import llmgw_systemd
 from llmgw_systemd.gather.processes import gone
 from llmgw_systemd.health.unit_state import UnitState
 
@@ -45,6 +47,7 @@ def test_running_zombie_and_missing_processes() -> None:
 # ProtectProc=invisible does: the root-owned process is invisible in /proc, yet runs.
 SANDBOXED = """
 import os, sys
+sys.path.insert(0, sys.argv[2])
 from llmgw_systemd.gather.processes import gone
 from llmgw_systemd.health.unit_state import UnitState
 pid = int(sys.argv[1])
@@ -54,22 +57,31 @@ print(gone([UnitState("engine.service", "loaded", "active", "running", main_pid=
 
 
 def test_a_process_hidden_from_proc_still_counts_as_running() -> None:
+    # nobody reads the package from a copy anyone may read (the checkout may be private),
+    # with the system's Python 3.11 (a venv's path may be private too)
+    shared = Path(tempfile.mkdtemp(prefix="llmgw-processes-"))
     running = subprocess.Popen(["sleep", "60"])
     try:
+        shutil.copytree(Path(llmgw_systemd.__file__).parent, shared / "llmgw_systemd",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        for path in (shared, *shared.rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        python = ["/usr/bin/python3", "-I", "-S", "-c"]
         proc = subprocess.run(
             ["unshare", "--mount", "--propagation", "private", "--fork", "--",
              "/bin/sh", "-ec", 'mount -t proc -o hidepid=invisible proc /proc; exec "$@"',
              "sandbox", "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-             sys.executable, "-c", SANDBOXED, str(running.pid)],
+             *python, SANDBOXED, str(running.pid), str(shared)],
             capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == "()", proc.stdout
         running.kill()
         running.wait()
         proc = subprocess.run(
-            [sys.executable, "-c", SANDBOXED.replace("assert not", "assert True or"),
-             str(running.pid)], capture_output=True, text=True, timeout=60, check=False)
+            [*python, SANDBOXED.replace("assert not", "assert True or"), str(running.pid),
+             str(shared)], capture_output=True, text=True, timeout=60, check=False)
         assert proc.stdout.strip() == "('engine.service',)", (proc.stdout, proc.stderr)
     finally:
         running.kill()
         running.wait()
+        shutil.rmtree(shared, ignore_errors=True)

@@ -17,23 +17,23 @@ One replica serves every scenario, in file order:
    rejoin a running rank 0): it comes back by itself.
 3. A planned restart of node-b, which serves nothing: node-a's endpoint leaves rotation
    and drains before any rank stops; not one request fails; the group comes back.
-(A rolled change, with its planned restart of a serving node, is test_engine_dp_hybrid.py's.)
+(A planned restart of a serving node is test_engine_dp_hybrid.py's; a rolled change the
+tensor-parallel replica's, in test_engine_drain.py; a roll over two serving endpoints is
+tests/integration/test_endpoints.py's.)
 
 Bounds here are the test's, never asserted figures."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from loadbalancer import HAProxy, Sampler, Server, Traffic, bridge_address, summary
 from realengine import ENGINE_ARGS, MODEL, VENV, assert_engines, complete, env_yaml, manager_pids
-from rolling import Starts, engine_environ
 from specs import PYTHON, free_port, write, yaml_list
 from supervisors import Sampler as StateSampler
 from supervisors import SupervisorProcess, stop_and_show
@@ -56,9 +56,7 @@ SIZE = {"internal": 2, "hybrid": 4}
 PER_NODE_ENV = {"internal": {}, "hybrid": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 
 
-def spec_text(port: int, standby: int, rpc: int, lb: str = "internal", rollout: str = "first"
-              ) -> str:
-    """rollout: ROLLOUT in the data-parallel engines' environment (a spec change)."""
+def spec_text(port: int, standby: int, rpc: int, lb: str = "internal") -> str:
     common = """\
     drain: {delay: 3, timeout: 10}
     restart: {delay: 2, burst: 20, interval: 900}
@@ -73,7 +71,7 @@ replicas:
     launch_mode: mp
     model: {MODEL}
     virtualenv: {VENV}
-    env: {env_yaml({**PER_NODE_ENV[lb], "ROLLOUT": rollout})}
+    env: {env_yaml(PER_NODE_ENV[lb])}
     args: {ENGINE_ARGS}
     data_parallel_size: {SIZE[lb]}
     data_parallel_lb: {lb}
@@ -104,8 +102,6 @@ class Cluster:
     lb: HAProxy
     hub: str
     endpoints: dict[str, str]  # HAProxy server: its node
-    spec: Path
-    spec_for: Callable[[str], str]  # rollout -> the spec's text
 
     def traffic(self, seconds: float = 900) -> Traffic:
         return Traffic(self.lb.url, clients=CLIENTS, seconds=seconds, timeout=60,
@@ -158,8 +154,7 @@ def running(nodes: Nodes, tmp: Path, lb_mode: str = "internal") -> Iterator[Clus
         lb.wait_until_up("standby", timeout=60)
         for node in reversed(ADDRESS):
             nodes[node].systemctl("start", "llmgw-dp.target")
-        yield Cluster(nodes, port, {s.node: s for s in sups}, lb, hub, endpoints, spec,
-                      functools.partial(spec_text, port, standby, rpc, lb_mode))
+        yield Cluster(nodes, port, {s.node: s for s in sups}, lb, hub, endpoints)
         for node in ADDRESS:
             nodes[node].systemctl("stop", "llmgw-dp.target", *(
                 ["llmgw-standby.target"] if node == "node-b" else []))
@@ -282,39 +277,3 @@ def planned_restart(cluster: Cluster, node: str) -> None:
           f"+{back - asked:.0f} s; {summary(traffic.requests)}")
     assert not traffic.failed, traffic.failed[:5]
     assert all(t is not None for t in out.values()), out
-
-
-def roll(cluster: Cluster, value: str) -> None:
-    """ROLLOUT=value into the data-parallel engines' environment, applied on node-a, then
-    node-b (`llmgw-render --apply`) under the load: node-a's apply stages the replica,
-    node-b's restarts it once as a group; every endpoint leaves rotation (drained before
-    node-b's ranks stop), nothing fails, something is in rotation in every sample, each
-    engine starts exactly once more, with the change."""
-    cluster.serving()
-    write(cluster.spec, cluster.spec_for(value))
-    lines: dict[str, list[str]] = {}
-    managers = {node: cluster.nodes[node] for node in ADDRESS}
-    with Sampler(cluster.lb, interval=0.25) as sampler, cluster.traffic() as traffic, \
-            Starts(managers, ENGINE, 0.5) as starts:
-        time.sleep(3)
-        asked = time.monotonic()
-        for node in ADDRESS:
-            lines[node] = cluster.nodes[node].apply(cluster.spec, node).stdout.splitlines()
-        cluster.serving()
-        back = time.monotonic()
-        time.sleep(3)
-        traffic.finish()
-    out = {server: next((round(at - asked, 2) for at, up in sampler.samples
-                         if at > asked and up is not None and server not in up), None)
-           for server in cluster.endpoints}
-    print(f"figure: roll over two nodes: endpoints out at {out} s, back at "
-          f"+{back - asked:.0f} s; {summary(traffic.requests)}; {lines}")
-    assert all(t is not None for t in out.values()), out
-    assert any(line.startswith("replica dp: staged") for line in lines["node-a"]), lines
-    assert any(line.startswith("replica dp: restarted") for line in lines["node-b"]), lines
-    assert not traffic.failed, traffic.failed[:5]
-    assert all(up for _, up in sampler.samples if up is not None), [
-        round(at, 1) for at, up in sampler.samples if up is not None and not up]
-    assert starts.counts() == {n: 2 for n in ADDRESS}  # the one before, and one more
-    for node in ADDRESS:
-        assert engine_environ(cluster.nodes[node], ENGINE).get("ROLLOUT") == value, node
