@@ -17,9 +17,9 @@ One replica serves every scenario, in file order:
    rejoin a running rank 0): it comes back by itself.
 3. A planned restart of node-b, which serves nothing: node-a's endpoint leaves rotation
    and drains before any rank stops; not one request fails; the group comes back.
-(A planned restart of a serving node is test_engine_dp_hybrid.py's; a rolled change the
-tensor-parallel replica's, in test_engine_drain.py; a roll over two serving endpoints is
-tests/integration/test_endpoints.py's.)
+(A planned restart of a serving node and a roll over two serving endpoints are
+tests/integration/test_endpoints.py's, with stand-ins: test_engine_dp_hybrid.py says why;
+a rolled change of the tensor-parallel replica is test_engine_drain.py's.)
 
 Bounds here are the test's, never asserted figures."""
 
