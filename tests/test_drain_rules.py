@@ -244,12 +244,13 @@ class Step(NamedTuple):
     serving: bool = True
     main_alive: bool = True
     target_job: str | None = None
+    failure: bool = False  # a failure's stop: what is left is killed at once
 
 
 STEPS = [
     # the engine died: the stop is systemd cleaning up a failure
     Step("main process gone: go", DRAINING_VIEW, 0, True, "main process is gone",
-         main_alive=False),
+         main_alive=False, failure=True),
     # no supervisor to ask: the delay alone takes it out of rotation
     Step("no supervisor: wait within the delay", None, 1, False, "waiting out the delay"),
     Step("no supervisor: go after the delay", None, DELAY, True, "delay alone"),
@@ -262,7 +263,7 @@ STEPS = [
     # the supervisor's group restart: a failure never waits
     Step("group restart: go at once",
          StopView(routable=True, stopping=GROUP_RESTART, phase=None), 0, True,
-         "group restart"),
+         "group restart", failure=True),
     # a planned stop of a replica not in rotation (failed, stopped): no drain held
     Step("no drain, planned: go at once",
          StopView(routable=False, stopping=PLANNED, phase=None), 0, True,
@@ -270,9 +271,14 @@ STEPS = [
     # a stop passed on from a dead member: the replica is no longer routable
     Step("no drain, not routable (a failure): go at once",
          StopView(routable=False, stopping=None, phase=None), 0, True, "nothing to drain"),
-    Step("no drain, not routable, no job on the target: go at once",
-         StopView(routable=False, stopping=None, phase=None), 0, True, "nothing to drain",
-         serving=False, target_job=""),
+    # ... and systemd lists no stop or restart on the target: a member died
+    Step("no drain, not routable, no job on the target: a failure, go at once",
+         StopView(routable=False, stopping=None, phase=None), 0, True, "a member died",
+         serving=False, target_job="", failure=True),
+    # no supervisor and no job on the target: a member died, or an operator stopped the
+    # engine unit alone; which, nothing here can tell, so SIGTERM's grace stays
+    Step("no supervisor, no job on the target: not known to be a failure", None, 0, True,
+         "was stopped alone", target_job=""),
     # not routable in a view that has not seen systemd's own stop job yet: perhaps a blip
     # (a late peer report); a worker leaving on it breaks rank 0's requests in flight
     Step("no drain, not routable, a restart job on the target: wait for the supervisor",
@@ -319,6 +325,7 @@ def test_step(case: Step) -> None:
                main_alive=case.main_alive, target_job=case.target_job)
     assert got.go == case.go, got
     assert case.says in got.reason, got
+    assert got.failure == case.failure, got
 
 
 # -- events: what the metrics count ----------------------------------------------------

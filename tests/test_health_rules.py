@@ -28,9 +28,9 @@ TARGET_DOWN = UnitState("llmgw-r.target", "loaded", "inactive", "dead")
 
 def unit(name: str, active: str = "active", sub: str = "running", *, result: str = "success",
          up_since: int = NOW - 100 * S, restarts: int = 0, status: str = "",
-         load: str = "loaded") -> UnitState:
+         load: str = "loaded", job: str = "") -> UnitState:
     return UnitState(f"llmgw-r-{name}.service", load, active, sub, result, restarts, 0,
-                     status, up_since if active == "active" else 0, 0)
+                     status, up_since if active == "active" else 0, 0, job_type=job)
 
 
 HEAD, ENGINE = unit("ray-head"), unit("engine")
@@ -59,10 +59,17 @@ SHARD_CASES = [
      "Waiting for 10.0.0.1:6379"),
     ("starting without a status", TARGET_UP, [HEAD, unit("engine", "activating", "start")],
      True, None, False, STARTING, "llmgw-r-engine.service is starting (start)"),
-    ("a member restarting", TARGET_UP,
+    # a death is a failure from its first moment: the other nodes restart on it at once
+    ("a member restarting after its death", TARGET_UP,
      [unit("ray-head", "activating", "auto-restart", result="signal", restarts=1), ENGINE],
-     True, OK, True, DEGRADED, "llmgw-r-ray-head.service died (signal); restarting "
+     True, OK, True, FAILED, "llmgw-r-ray-head.service died (signal); restarting "
      "(restart 2)"),
+    ("a member's main process killed: its stop cleans up, with no job on it", TARGET_UP,
+     [HEAD, unit("engine", "deactivating", "stop", result="signal")], True, OK, True,
+     FAILED, "llmgw-r-engine.service died (signal); stopping what is left"),
+    ("a member that exited 0 by itself (vLLM after its engine died) died too", TARGET_UP,
+     [HEAD, unit("engine", "deactivating", "stop-sigterm")], True, OK, True, FAILED,
+     "llmgw-r-engine.service died (exited); stopping what is left"),
     ("a member failed", TARGET_UP, [unit("ray-head", "failed", "failed", result="exit-code",
                                           status="gave up after 30 s"), ENGINE],
      True, OK, True, FAILED, "llmgw-r-ray-head.service failed (exit-code): gave up after"),
@@ -78,7 +85,11 @@ SHARD_CASES = [
      True, None, False, DEGRADED, "every unit is down while the target is active"),
     ("one member down", TARGET_UP, [HEAD, unit("engine", "inactive", "dead")], True, OK,
      False, DEGRADED, "llmgw-r-engine.service down"),
-    ("stopping", TARGET_UP, [HEAD, unit("engine", "deactivating", "stop-sigterm")], True,
+    # asked to stop: a job on it (planned, the group restart's, one through BindsTo=)
+    ("stopping", TARGET_UP, [HEAD, unit("engine", "deactivating", "stop-sigterm",
+                                        job="stop")], True, OK, True, DEGRADED, "is stopping"),
+    ("stopping in a restart, after a death's result", TARGET_UP,
+     [HEAD, unit("engine", "deactivating", "stop", result="signal", job="restart")], True,
      OK, True, DEGRADED, "is stopping"),
     ("not rendered", TARGET_UP, [unit("engine", "inactive", "dead", load="not-found")],
      True, None, False, FAILED, "is not-found: render the spec"),

@@ -229,6 +229,16 @@ CASES = [
     Case("a failed rank past the delay: restart this node's shard",
          peers={"b": peer("b", shard(1, "b", FAILED))}, memory=Memory(failing_since=NOW - 5),
          state=FAILED, reason="; group restart 1 of 2", restarts=1),
+    # a death here: systemd restarts this node's shard itself (Restart=, the restart
+    # unit); a restart of the target on top would stop that start again (issue 42)
+    Case("our engine died, waiting to start again: failed, and systemd restarts it",
+         local=units("activating", "auto-restart", result="signal"), probe=None,
+         memory=Memory(failing_since=NOW - 5), state=FAILED,
+         reason="llmgw-rep-engine.service died (signal); restarting (restart 1)"),
+    Case("our engine's main process killed, its stop cleaning up: failed, no restart asked",
+         local=units("deactivating", "stop", result="signal"), probe=None,
+         memory=Memory(failing_since=NOW - 5), state=FAILED,
+         reason="died (signal); stopping what is left"),
     Case("budget spent: failed, nothing restarts", peers={"b": peer("b", shard(1, "b",
                                                                              FAILED))},
          memory=Memory(restarts=(NOW - 100, NOW - 50), failing_since=NOW - 40),
@@ -586,3 +596,21 @@ def test_one_fault_asks_for_one_restart_while_the_old_generation_stops() -> None
         memory = verdict.memory
     assert actions == 1
     assert memory.restart_pending == (GEN, NOW)
+
+
+def test_a_death_here_is_left_to_systemd_once() -> None:
+    """This node's engine died: the verdict is failed at once (so the other nodes restart
+    their shards), but this node asks for no restart of its own target, and, while
+    the dead generation is still the one seen, decides nothing again."""
+    policy = replace(POLICY, restart_hold=30)
+    dead = units("deactivating", "stop", result="signal")
+    verdict = judge(policy, Memory(failing_since=NOW - 5), local=dead, probe=None,
+                    peers={"b": B_READY}, now=NOW)
+    assert verdict.health.state == FAILED and not verdict.actions, verdict
+    assert any("systemd restarts this node's shard itself" in n for n in verdict.notes)
+    assert verdict.memory.restart_pending == (GEN, NOW)
+    later = judge(policy, verdict.memory, local=units("activating", "auto-restart",
+                                                      result="signal"),
+                  probe=None, peers={"b": B_READY}, now=NOW + 1)
+    assert not later.actions and len(later.memory.restarts) == 1, later
+    assert "this node's shard is restarting" in later.health.reason

@@ -107,6 +107,24 @@ def test_stop_timeout_reaches_every_member() -> None:
     assert {s.timeout_stop_sec for s in plan_shard(r, 0, SYSTEM).services} == {240}
 
 
+@pytest.mark.parametrize(("drain_text", "stop"), [
+    ("", 40),  # the defaults: 5 s delay + 20 s timeout + 10 s exit + 5 s kill
+    ("drain: {timeout: 60}\n", 80),  # a longer drain lengthens the stop with it
+    ("drain: {delay: 0, timeout: 0}\n", 15),
+])
+def test_stop_timeout_holds_the_whole_planned_stop_when_not_set(drain_text: str,
+                                                                 stop: int) -> None:
+    """TimeoutStopSec= always holds the drain, the engine's exit and the kill (issue 42:
+    a stop that ran past it ended Result=timeout, counted as a failure); the helper's
+    SIGKILL comes STOP_MARGIN before it."""
+    r = replica(f"engine: vllm\nmodel: /m\n{drain_text}{TWO_NODES}")
+    assert r.stop_timeout == r.drain.stop_budget == stop
+    services = plan_shard(r, 0, SYSTEM).services
+    assert {s.timeout_stop_sec for s in services} == {stop}
+    engine = services[-1].exec_stop
+    assert engine is not None and engine[engine.index("--grace") + 1] == str(stop - 5)
+
+
 def drain(*, serving: bool, delay: int = 5, timeout: int = 20) -> tuple[str, ...]:
     """The drain step's arguments (every engine's stop begins with it)."""
     return ("--drain", "r", "--supervisor", "127.0.0.1:9470", "--drain-delay", str(delay),
@@ -122,16 +140,16 @@ def drain(*, serving: bool, delay: int = 5, timeout: int = 20) -> tuple[str, ...
     # the serving rank: its main process first (it drains, then stops its engine core);
     # a quick stop when it does not answer its health check
     (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 0,
-     {"ray-head": None, "engine": ("/usr/bin/llmgw-stop-group", "--grace", "25",
+     {"ray-head": None, "engine": ("/usr/bin/llmgw-stop-group", "--grace", "35",
                                    "--main-first", "--health",
                                    "http://127.0.0.1:8000/health", "--unserved-grace", "5",
                                    *drain(serving=True))}),
     (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nhost: 10.0.0.1\nport: 9000\n"
      f"health: {{path: /ping}}\n{TWO_NODES}", 0,
-     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--main-first", "--health",
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "35", "--main-first", "--health",
                  "http://10.0.0.1:9000/ping", "--unserved-grace", "5", *drain(serving=True))}),
     (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nhost: '::'\n{TWO_NODES}", 0,
-     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--main-first", "--health",
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "35", "--main-first", "--health",
                  "http://[::1]:8000/health", "--unserved-grace", "5", *drain(serving=True))}),
     # a grace no longer than the quick one: nothing to shorten
     (f"engine: vllm\nlaunch_mode: mp\nmodel: /m\nstop_timeout: 10\n"
@@ -139,13 +157,13 @@ def drain(*, serving: bool, delay: int = 5, timeout: int = 20) -> tuple[str, ...
      {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "5", "--main-first",
                  *drain(serving=True, delay=0, timeout=5))}),
     (f"engine: vllm\nmodel: /m\n{TWO_NODES}", 1,
-     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "25", "--main-first",
+     {"engine": ("/usr/bin/llmgw-stop-group", "--grace", "35", "--main-first",
                  *drain(serving=False))}),
     # every engine drains first; a command whose rank serves nothing is no --serving
     ("engine: command\nserving_rank: null\nnodes: [{name: a, address: 10.0.0.1}]\n"
      "ranks: [{commands: [{name: side, argv: [/bin/side]}, {argv: [/bin/true]}]}]", 0,
-     {"side": None, "engine": ("/usr/bin/llmgw-stop-group", "--grace", "25",
-                               *drain(serving=False))}),
+     {"side": None, "engine": ("/usr/bin/llmgw-stop-group", "--grace", "35",
+                               "--failure-grace", "2", *drain(serving=False))}),
 ])
 def test_vllm_is_stopped_by_the_group_helper_within_the_stop_timeout(
         body: str, rank: int, stopped_by_helper: dict[str, tuple[str, ...] | None]) -> None:

@@ -38,15 +38,14 @@ def test_own_cgroups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str,
     assert sorted(str(g.relative_to(tmp_path)) for g in got) == sorted(found)
 
 
-@pytest.mark.parametrize(("grace", "unserved", "serving", "chosen"), [
-    (25, 5, True, 25),  # it answers: it keeps its drain
-    (25, 5, False, 5),  # it does not: nothing to drain
-    (25, None, None, 25),  # no --health: the full grace
-    (3, 5, False, 3),  # never longer than the grace
+@pytest.mark.parametrize(("unserved", "serving", "kill_at"), [
+    (5, True, 125),  # it answers: it keeps its drain, until the grace's end
+    (5, False, 105),  # it does not: nothing to drain, 5 s from now
+    (None, None, 125),  # no --health: the grace's end
+    (30, False, 125),  # never later than the grace's end
 ])
-def test_chosen_grace(grace: float, unserved: float | None, serving: bool | None,
-                      chosen: float) -> None:
-    assert stopgroup.chosen_grace(grace, unserved, serving) == chosen
+def test_kill_deadline(unserved: float | None, serving: bool | None, kill_at: float) -> None:
+    assert stopgroup.kill_deadline(125, 100, unserved, serving) == kill_at
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -194,3 +193,83 @@ def test_members_never_include_pid_0(tmp_path: Path) -> None:
     group.mkdir()
     (group / "cgroup.procs").write_text(f"0\n0\n{os.getpid()}\n4242\n")
     assert stopgroup.members([group]) == {4242}
+
+
+def _spawn_in(groups: list[Path], code: str, *args: str, env: dict[str, str] | None = None
+              ) -> subprocess.Popen[str]:
+    procs = [str(g / "cgroup.procs") for g in groups]
+
+    def enter() -> None:
+        for path in procs:
+            Path(path).write_text(str(os.getpid()))
+
+    return subprocess.Popen([sys.executable, "-c", code, *args],
+                            preexec_fn=enter,  # noqa: PLW1509
+                            stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _cleanup(groups: list[Path], *procs: subprocess.Popen[str]) -> None:
+    for pid in stopgroup.members(groups):
+        os.kill(pid, signal.SIGKILL)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while stopgroup.members(groups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for g in groups:
+        g.rmdir()
+
+
+IGNORES_TERM = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "print('up', flush=True)\ntime.sleep(600)")
+
+
+def test_what_outlives_the_main_process_is_killed_at_once() -> None:
+    """vLLM's workers ignored SIGTERM once their main process was gone, for the whole
+    grace (issue 42): with the main process known, its exit ends the wait, and what is
+    left gets SIGKILL then, long before a 600 s grace."""
+    groups = _cgroup(f"llmgw-test-stopgroup-after-main-{os.getpid()}")
+    code = ("import subprocess, sys, time\n"
+            f"child = subprocess.Popen([sys.executable, '-c', {IGNORES_TERM!r}], "
+            "stdout=subprocess.PIPE, text=True)\n"
+            "child.stdout.readline()\nprint(child.pid, flush=True)\ntime.sleep(600)")
+    main = _spawn_in(groups, code)
+    try:
+        assert main.stdout is not None
+        child = int(main.stdout.readline())
+        done: list[bool] = []
+        stopper = threading.Thread(target=lambda: done.append(
+            stopgroup.stop_group(groups, grace=600, main_pid=main.pid)), daemon=True)
+        stopper.start()
+        assert main.wait(timeout=30) == -signal.SIGTERM  # the main process obeys
+        stopper.join(timeout=30)  # far inside the grace: the child went by SIGKILL
+        assert done == [True], "the group was not emptied within 30 s of a 600 s grace"
+        assert child not in stopgroup.members(groups)
+    finally:
+        _cleanup(groups, main)
+
+
+@pytest.mark.parametrize("mainpid", ["", "dead"])
+def test_a_failures_stop_kills_at_once(mainpid: str) -> None:
+    """The helper as systemd runs it, in the unit's cgroup, when the main process already
+    died (systemd then sets no MAINPID; a stale one counts the same): nothing is left to
+    save, so what is left gets SIGKILL at once, not after the 600 s grace."""
+    groups = _cgroup(f"llmgw-test-stopgroup-failure-{os.getpid()}-{mainpid or 'unset'}")
+    leftover = _spawn_in(groups, IGNORES_TERM)
+    assert leftover.stdout is not None and leftover.stdout.readline() == "up\n"
+    env = {k: v for k, v in os.environ.items() if k != "MAINPID"}
+    if mainpid == "dead":
+        gone = subprocess.Popen([sys.executable, "-c", ""])
+        gone.wait()
+        env["MAINPID"] = str(gone.pid)
+    helper = _spawn_in(groups, "from llmgw_systemd.helpers.stop_group import main; main()",
+                       "--grace", "600", env=env)
+    try:
+        out, _ = helper.communicate(timeout=30)
+        assert helper.returncode == 0, out
+        assert "SIGKILL to what is left at once" in out, out
+        assert leftover.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        _cleanup(groups, leftover, helper)

@@ -182,6 +182,10 @@ class StopView:
 class StepDecision:
     go: bool  # signal the engine now (else ask again shortly)
     reason: str
+    # a failure's stop: nothing in flight to finish or save, so what is left of the unit
+    # is killed at once rather than given SIGTERM's grace (issue 42: vLLM's workers
+    # outlived their dead main process by the whole 25 s grace, before Restart= could act)
+    failure: bool = False
 
 
 def step(view: StopView | None, elapsed: float, delay: float, timeout: float, *,
@@ -196,7 +200,8 @@ def step(view: StopView | None, elapsed: float, delay: float, timeout: float, *,
     --shutdown-timeout). Any other rank goes once the serving rank is drained, or the
     timeout ran out: its leaving would break the serving rank's requests."""
     if not main_alive:
-        return StepDecision(True, "the main process is gone (a failure): no drain")
+        return StepDecision(True, "the main process is gone (a failure): no drain",
+                            failure=True)
     if view is None:
         if target_job is not None and target_job not in STOPPING_JOBS:
             return StepDecision(True, "no stop or restart of the target (a member died, or "
@@ -206,7 +211,8 @@ def step(view: StopView | None, elapsed: float, delay: float, timeout: float, *,
                                 f"{delay:g} s delay alone")
         return StepDecision(False, "no supervisor answers: waiting out the delay")
     if view.stopping == GROUP_RESTART:
-        return StepDecision(True, "the supervisor's group restart (a failure): no drain")
+        return StepDecision(True, "the supervisor's group restart (a failure): no drain",
+                            failure=True)
     if view.phase is None:
         if view.stopping == PLANNED:  # it saw this stop and holds no drain: failed, stopped
             return StepDecision(True, "not in rotation: nothing to drain")
@@ -218,6 +224,9 @@ def step(view: StopView | None, elapsed: float, delay: float, timeout: float, *,
             if target_job in STOPPING_JOBS and elapsed < NOTICE:
                 return StepDecision(False, "not routable, and a stop job on the target: "
                                     "waiting for the supervisor to see this stop")
+            if target_job == "":  # systemd's word: a member died, this is its stop
+                return StepDecision(True, "not routable, no stop or restart of the target "
+                                    "(a member died): no drain", failure=True)
             return StepDecision(True, "not in rotation: nothing to drain")
         if elapsed < NOTICE:
             return StepDecision(False, "waiting for the supervisor to see this stop")

@@ -486,6 +486,8 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
     if not systemd_error:  # a restart is decided on what systemd says now (held_read)
         verdict = _group_restart(policy, verdict, now,
                                  engine_since=local.engine_since if local else None,
+                                 by_itself=local is not None and any(
+                                     u.died for u in local.members),
                                  leader_started=leader_started, start_limited=held,
                                  target_stopped=local is not None and stopped_here(local.target),
                                  rejoin=must_rejoin(versions, policy.rank))
@@ -547,7 +549,7 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
                    engine_since: float | None = None,
                    leader_started: float | None = None,
                    start_limited: bool = False, target_stopped: bool = False,
-                   rejoin: str = "") -> Verdict:
+                   rejoin: str = "", by_itself: bool = False) -> Verdict:
     memory, health, reports = verdict.memory, verdict.health, verdict.ranks
     generations = dict(verdict.generations)
     pending = memory.restart_pending
@@ -642,8 +644,14 @@ def _group_restart(policy: ReplicaPolicy, verdict: Verdict, now: float, *,
     fresh = policy.rank in restarted and reports[policy.rank].state != FAILED
     memory = replace(memory, restarts=(*memory.restarts, now), failing_since=None,
                      baseline=None, candidate=None, candidate_since=None, ready_with=None)
-    if not fresh and policy.restart_hold > 0:
+    if (by_itself or not fresh) and policy.restart_hold > 0:
         memory = replace(memory, restart_pending=(generations.get(policy.rank, ""), now))
+    if by_itself:
+        # a member here died: systemd restarts it (Restart=, the restart unit); a restart
+        # of the target on top would stop that start again
+        note = (f"{policy.name}: a rank died ({died}); systemd restarts this node's shard "
+                f"itself ({decision.reason})")
+        return replace(verdict, memory=memory, notes=(note,))
     if fresh:
         note = (f"{policy.name}: a rank died; this node's shard already restarted "
                 f"({decision.reason})")

@@ -98,14 +98,18 @@ def shard_health(target: UnitState, members: Sequence[UnitState], *, serving: bo
             elif unit.status_text:
                 why += f": {unit.status_text}"
             return Health(FAILED, why)
+    for unit in members:
+        # a death is a failure from its first moment, not once its leftovers are gone or
+        # it started again: the other nodes restart their shards on it at once (issue 42)
+        if unit.died:
+            how = unit.result if unit.result not in ("", "success") else "exited"
+            then = (f"restarting (restart {unit.n_restarts + 1})"
+                    if unit.sub_state == "auto-restart" else "stopping what is left")
+            return Health(FAILED, f"{unit.name} died ({how}); {then}")
     if all(u.is_down for u in members):
         if target.is_down:
             return Health(STOPPED, "stopped")
         return Health(DEGRADED, "every unit is down while the target is active")
-    for unit in members:
-        if unit.sub_state == "auto-restart":
-            return Health(DEGRADED, f"{unit.name} died ({unit.result}); restarting "
-                          f"(restart {unit.n_restarts + 1})")
     for unit in members:
         if unit.active_state == "activating":
             return Health(STARTING, unit.status_text or f"{unit.name} is starting "

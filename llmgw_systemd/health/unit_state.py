@@ -34,6 +34,15 @@ class UnitState:
     def is_down(self) -> bool:
         return self.active_state in ("inactive", "failed")
 
+    @property
+    def died(self) -> bool:
+        """Its process ended with nobody asking: waiting to start again (auto-restart), or
+        stopping with no job on it (its ExecStop= cleaning up after the main process
+        exited or was killed). Every stop someone asked for, a planned one, the
+        supervisor's group restart or one passed on through BindsTo=, is a job."""
+        return self.sub_state == "auto-restart" or (
+            self.active_state == "deactivating" and not self.job_type)
+
 
 def missing(name: str) -> UnitState:
     """A unit systemd does not know (not rendered, or garbage-collected and unloadable)."""

@@ -10,7 +10,8 @@ SIGKILL of the main process as a clean exit. It starts fast (standard library on
 systemd runs it on every stop. `systemctl stop` still waits for it, bounded by
 TimeoutStopSec=, which stays the backstop.
 
-    llmgw-stop-group --grace SECONDS [--main-first] [--health URL --unserved-grace SECONDS]
+    llmgw-stop-group --grace SECONDS [--failure-grace SECONDS] [--main-first]
+                     [--health URL --unserved-grace SECONDS]
                      [--drain REPLICA --supervisor HOST:PORT --drain-delay S
                       --drain-timeout S [--serving]]
 
@@ -36,6 +37,15 @@ children (a Ray head signalled together with its GCS takes 30 s longer; vLLM's e
 core signalled together with its API server dies under the requests the server is
 draining); once it is gone, or still there after the grace (a worker stopped while it
 joins ignores SIGTERM), whatever is left is SIGKILLed, inside the stop (docs/engines.md).
+
+Failures never wait (issue 42). A stop whose main process is gone when it begins, and,
+with --drain, the supervisor's group restart or a member's death, have nothing in flight
+to finish: what is left of the group is SIGKILLed at once (after --failure-grace of
+SIGTERM where SIGKILL would end the unit failed). In every stop, once the main process is
+gone, what is left is SIGKILLed at once: vLLM's workers outlived their main process by
+the whole grace. The grace counts from this helper's own start (the process's start
+time, not the interpreter's first line), so the last SIGKILL and its reaping stay inside
+TimeoutStopSec= (units/plan.py, stop_budget) on a loaded node too.
 
 Exit 0 once no other process is left in the group; 1 if some survived SIGKILL (then
 systemd's own SIGKILL follows), 2 on bad arguments.
@@ -70,7 +80,9 @@ from llmgw_systemd.helpers.local_api import ask_replica
 PROG = "llmgw-stop-group"
 CGROUP_FS = Path("/sys/fs/cgroup")
 POLL = 0.1  # seconds between looks at the group
-KILL_WAIT = 5.0  # seconds for SIGKILLed processes to be reaped
+# seconds for SIGKILLed processes to be reaped: inside units/plan.py's STOP_MARGIN, with
+# the rest of it for systemd's own start of this helper
+KILL_WAIT = 3.0
 HEALTH_TIMEOUT = 1.0  # seconds a serving rank has to answer its health check at the stop
 ASK_TIMEOUT = 0.5  # seconds the local supervisor has to answer the drain step
 ASK_EVERY = 0.25  # seconds between the drain step's questions
@@ -120,18 +132,29 @@ def terminate(pids: set[int]) -> None:
     signal_all(pids, signal.SIGCONT)
 
 
-def stop_group(groups: Sequence[Path], grace: float) -> bool:
-    """SIGTERM to all, wait up to grace for them to go, SIGKILL the rest; True once
-    empty."""
+def stop_group(groups: Sequence[Path], grace: float, main_pid: int = 0) -> bool:
+    """SIGTERM to all, wait up to grace for them to go (or, with main_pid, for the main
+    process to go: what outlives it has nothing left to save), SIGKILL the rest; True
+    once empty."""
     terminate(members(groups))
-    deadline = time.monotonic() + grace
-    while members(groups) and time.monotonic() < deadline:
+    return _then_kill(groups, time.monotonic() + grace, main_pid, f"{grace:.0f} s after "
+                      "SIGTERM")
+
+
+def _then_kill(groups: Sequence[Path], kill_at: float, main_pid: int, when: str) -> bool:
+    """Wait until the group is empty, its main process (when known) is gone, or
+    kill_at; then SIGKILL whatever is left. True once empty."""
+    while members(groups) and time.monotonic() < kill_at:
+        if main_pid and not _running(main_pid, groups):
+            break
         time.sleep(POLL)
     left = members(groups)
     if not left:
         return True
-    print(f"{PROG}: {len(left)} process(es) still running {grace:.0f} s after SIGTERM; "
-          "sending SIGKILL", flush=True)
+    why = (f"the main process is gone; SIGKILL to the {len(left)} process(es) left"
+           if main_pid and not _running(main_pid, groups) else
+           f"{len(left)} process(es) still running {when}; sending SIGKILL")
+    print(f"{PROG}: {why}", flush=True)
     return not kill_group(groups)
 
 
@@ -158,6 +181,14 @@ def stop_main_first(groups: Sequence[Path], main_pid: int, grace: float) -> bool
         print(f"{PROG}: main process {main_pid} still running {grace:.0f} s after SIGTERM; "
               "sending SIGKILL to the group", flush=True)
     return not kill_group(groups)
+
+
+def kill_now(groups: Sequence[Path], grace: float, main_pid: int) -> bool:
+    """A failure's stop: nothing in flight to finish. SIGKILL at once (grace 0), or
+    SIGTERM and SIGKILL after grace; True once the group is empty."""
+    if grace <= 0:
+        return not kill_group(groups)
+    return stop_group(groups, grace, main_pid)
 
 
 def _running(pid: int, groups: Sequence[Path]) -> bool:
@@ -211,16 +242,13 @@ def view_of(data: object) -> StopView | None:
     return StopView(data["routable"], stopping, phase, drained_for)
 
 
-def drain_first(args: argparse.Namespace) -> float:
-    """The drain step: wait as health/drain.py says, asking the local supervisor; the
-    seconds it took."""
+def drain_first(args: argparse.Namespace, main_alive: bool, kill_at: float) -> bool:
+    """The drain step: wait as health/drain.py says, asking the local supervisor, at the
+    latest until kill_at; whether the stop is a failure's (nothing to save)."""
     started = time.monotonic()
-    main_pid = os.environ.get("MAINPID", "")
-    main_alive = main_pid.isdigit() and int(main_pid) > 1 and _exists(int(main_pid))
     said = ""
     job: str | None = None
     while True:
-        elapsed = time.monotonic() - started
         view = ask_supervisor(args.supervisor, args.drain) if main_alive else None
         unseen = view is None or (view.phase is None and view.stopping is None
                                   and not view.routable)
@@ -232,9 +260,22 @@ def drain_first(args: argparse.Namespace) -> float:
         if decision.reason != said:
             print(f"{PROG}: {args.drain}: {decision.reason}", flush=True)
             said = decision.reason
-        if decision.go or elapsed > args.grace:
-            return time.monotonic() - started
+        if decision.go or time.monotonic() >= kill_at:
+            return decision.failure
         time.sleep(ASK_EVERY)
+
+
+def began_at() -> float:
+    """When this process started, on time.monotonic()'s clock: systemd's stop timeout
+    began about then, and a loaded node can take a second or more to get from there to
+    this interpreter's first line."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
+    return time.monotonic() - min(max(age, 0.0), 60.0)
 
 
 def target_job(target: str, *, user: bool) -> str | None:
@@ -266,11 +307,13 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def chosen_grace(grace: float, unserved_grace: float | None, serving: bool | None) -> float:
-    """The grace of this stop: the full one unless the unit is known not to serve."""
+def kill_deadline(kill_at: float, now: float, unserved_grace: float | None,
+                  serving: bool | None) -> float:
+    """When the last SIGKILL comes: at kill_at (the grace from this helper's start), or,
+    for a unit known not to serve, unserved_grace from now if that is sooner."""
     if unserved_grace is None or serving is None or serving:
-        return grace
-    return min(grace, unserved_grace)
+        return kill_at
+    return min(kill_at, now + unserved_grace)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument("--grace", type=float, required=True,
                         help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--failure-grace", type=float, default=0.0, metavar="SECONDS",
+                        help="seconds between SIGTERM and SIGKILL in a failure's stop (the "
+                        "supervisor's group restart, a member's death): 0, the default, "
+                        "SIGKILLs at once; for engines whose SIGKILL would end the unit "
+                        "failed")
     parser.add_argument("--main-first", action="store_true",
                         help="SIGTERM only the main process ($MAINPID), as KillMode=mixed "
                         "does; SIGKILL the group if it outlives the grace")
@@ -314,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("grace", "unserved_grace", "drain_delay", "drain_timeout"):
+    for name in ("grace", "failure_grace", "unserved_grace", "drain_delay", "drain_timeout"):
         value = getattr(args, name)
         if value is not None and not 0 <= value <= 86400:
             parser.error(f"--{name.replace('_', '-')} must be 0 to 86400 seconds")
@@ -335,19 +383,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not groups:
         print(f"{PROG}: cannot find this unit's control group", file=sys.stderr)
         sys.exit(1)
-    drained = drain_first(args) if args.drain is not None else 0.0
+    began = began_at()
+    main_text = os.environ.get("MAINPID", "")
+    main_pid = int(main_text) if main_text.isdigit() and int(main_text) > 1 else 0
+    main_alive = bool(main_pid) and _exists(main_pid)
+    kill_at = began + args.grace
+    failure = not main_alive  # systemd names no main process: it is gone
+    if args.drain is not None:
+        failure = drain_first(args, main_alive, kill_at) or failure
+    elif failure:
+        print(f"{PROG}: the main process is gone (a failure): nothing to save", flush=True)
+    if failure:
+        grace = args.failure_grace if main_alive else 0.0
+        if grace <= 0:
+            print(f"{PROG}: SIGKILL to what is left at once", flush=True)
+        sys.exit(0 if kill_now(groups, grace, main_pid if main_alive else 0) else 1)
     # asked before any signal: once SIGTERMed, a serving rank stops answering
-    serving = answers_health(args.health) if args.health is not None else None
-    grace = max(0.0, chosen_grace(args.grace, args.unserved_grace, serving) - drained)
+    serving = answers_health(args.health, min(HEALTH_TIMEOUT, max(0.1, kill_at
+                                                                  - time.monotonic()))) \
+        if args.health is not None else None
+    kill_at = kill_deadline(kill_at, time.monotonic(), args.unserved_grace, serving)
     if serving is False:
         print(f"{PROG}: {args.health} does not answer: nothing to drain, SIGKILL after "
-              f"{grace:.1f} s", flush=True)
+              f"{max(0.0, kill_at - time.monotonic()):.1f} s", flush=True)
+    grace = max(0.0, kill_at - time.monotonic())
     if args.main_first:
-        main_pid = os.environ.get("MAINPID", "")
-        if not main_pid.isdigit() or int(main_pid) <= 1:
-            sys.exit(0)  # no main process any more: systemd's KillMode= ends the rest
-        sys.exit(0 if stop_main_first(groups, int(main_pid), grace) else 1)
-    sys.exit(0 if stop_group(groups, grace) else 1)
+        sys.exit(0 if stop_main_first(groups, main_pid, grace) else 1)
+    sys.exit(0 if stop_group(groups, grace, main_pid) else 1)
 
 
 def _is_address(text: str) -> bool:

@@ -23,9 +23,12 @@ from llmgw_systemd.spec.model import Node
 from llmgw_systemd.spec.names import MAX_REPLICA_NAME, is_node_name, is_word
 from llmgw_systemd.spec.policies import (
     DRAIN,
+    EXIT_GRACE,
     GROUP_RESTART_KEYS,
     HEALTH_KEYS,
     RESTART_KEYS,
+    STOP_MARGIN,
+    DrainPolicy,
     GroupRestartPolicy,
     HealthCheck,
     RestartPolicy,
@@ -130,11 +133,6 @@ def read_gpus(reader: Reader, value: Any, path: KeyPath) -> tuple[str, ...]:
     return tuple(out)
 
 
-# vLLM exits within a second of SIGTERM once ready, within 7 s while it starts, a
-# headless rank about 10 s after it; a worker orphaned by a killed rank ignores SIGTERM
-# and waits for the SIGKILL at the end of this (docs/engines.md).
-DEFAULT_STOP_TIMEOUT = 30
-
 NAME = Key("name", read_replica_name, REQUIRED, "replica name; part of every unit name")
 def read_engine(reader: Reader, value: Any, path: KeyPath) -> str:
     return reader.choice(value, path, tuple(ENGINES))  # the table as it is now
@@ -169,11 +167,17 @@ ENVIRONMENT_FILE: Key[str | None] = Key(
     "environment_file", absolute_path("an environment file"), None,
     "absolute path of a root-only `KEY=value` file (`EnvironmentFile=`): put `HF_TOKEN`, "
     "`VLLM_API_KEY` there")
-STOP_TIMEOUT = Key("stop_timeout", seconds(1, 86400), DEFAULT_STOP_TIMEOUT,
-                   "`TimeoutStopSec=` of every member: a planned stop's drain (`drain`) and "
-                   "then the SIGKILL of what is left must fit in it, so it must be at least "
-                   "`drain.delay + drain.timeout + 5`. vLLM exits within a second of SIGTERM "
-                   "once idle, within 7 s while it starts, a headless rank after about 10 s.")
+STOP_TIMEOUT: Key[int | None] = Key(
+    "stop_timeout", seconds(1, 86400), None,
+    "`TimeoutStopSec=` of every member. A planned stop's drain (`drain`), the engine's "
+    f"own exit and then the SIGKILL of what is left fit in it: by default it is "
+    f"`drain.delay + drain.timeout + {EXIT_GRACE + STOP_MARGIN}` ({EXIT_GRACE} s for the "
+    f"engine to exit after its drain, {STOP_MARGIN} for the kill); set, it must be at "
+    f"least `drain.delay + drain.timeout + {STOP_MARGIN}`, and `llmgw-stop-group` SIGKILLs "
+    "what is left inside it. A failure's stop (a member died, the supervisor's group "
+    "restart) SIGKILLs at once.",
+    shown=f"drain.delay + drain.timeout + {EXIT_GRACE + STOP_MARGIN} "
+          f"({DrainPolicy().stop_budget})")
 # The service account both packages create (packaging/sysusers); root only when said.
 SERVICE_ACCOUNT = "llmgw"
 ROOT_USERS = ("root", "0")

@@ -166,9 +166,14 @@ DRAIN_KEYS = (
         "planned stop waits as long for the serving rank to be drained"),
 )
 _D_DELAY, _D_TIMEOUT = DRAIN_KEYS
-# Seconds of TimeoutStopSec= left after llmgw-stop-group's last SIGKILL: so the stop
-# ends inactive by our SIGKILL, never by systemd's timeout (Result=timeout).
+# Seconds of TimeoutStopSec= left after llmgw-stop-group's last SIGKILL: its reaping
+# (3 s at most) and systemd's start of the helper, so the stop ends inactive by our
+# SIGKILL, never by systemd's timeout (Result=timeout, counted as a failure).
 STOP_MARGIN = 5
+# Seconds an engine gets after its drain to exit by itself: vLLM exits within a second of
+# SIGTERM once idle, a headless rank about 10 s after it (docs/engines.md). What is left
+# once its main process is gone is SIGKILLed at once, so this bounds only a slow exit.
+EXIT_GRACE = 10
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,13 @@ class DrainPolicy:
     def least_stop_timeout(self) -> int:
         """The shortest stop_timeout that holds a whole drain and then the SIGKILL."""
         return self.delay + self.timeout + STOP_MARGIN
+
+    @property
+    def stop_budget(self) -> int:
+        """A planned stop from its first step to its last SIGKILL, and so stop_timeout
+        (`TimeoutStopSec=`) when the spec does not set it: the drain's delay, its
+        timeout, the engine's own exit (EXIT_GRACE) and the kill (STOP_MARGIN)."""
+        return self.delay + self.timeout + EXIT_GRACE + STOP_MARGIN
 
 
 def read_drain(reader: Reader, value: Any, path: KeyPath) -> DrainPolicy:

@@ -123,6 +123,9 @@ def _replica(reader: DocumentReader, raw: Any, path: KeyPath, table: KeyTable) -
 
     stop_timeout, drain = common["stop_timeout"], common["drain"]
     least = engine.least_stop_timeout()
+    if stop_timeout is None:  # the whole planned stop, computed (DrainPolicy.stop_budget)
+        stop_timeout = common["stop_timeout"] = max(drain.stop_budget,
+                                                     least[0] if least else 0)
     if least is not None and stop_timeout < least[0]:
         where = (*path, "stop_timeout") if "stop_timeout" in data else path
         raise reader.fail(where, f"stop_timeout ({stop_timeout} s) must be at least "

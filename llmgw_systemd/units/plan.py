@@ -52,6 +52,10 @@ TRUE = "/usr/bin/true"  # the same
 # its own deadline and systemd's timeout is only a backstop.
 START_TIMEOUT_MARGIN = 30
 UNSERVED_GRACE = 5  # seconds of SIGTERM for a serving rank that does not answer /health
+# Seconds of SIGTERM in a failure's stop (the supervisor's group restart, a member's death)
+# for an engine whose SIGKILL would end its unit failed (SGLang, a command): vLLM's counts
+# as clean, so vLLM gets SIGKILL at once
+FAILURE_GRACE = 2
 SUPERVISOR_UNIT = "llmgw-supervisor.service"  # packaging/systemd
 DIGEST_HEX = 16  # 64 bits: versions of one replica never collide in practice
 
@@ -393,7 +397,10 @@ def _exec_stop(manager: Manager, step: Step, replica: Replica, *, is_engine: boo
               "--target", target_name(replica.name), *(("--user",) if manager.user else ()),
               *(("--serving",) if serves else ()))
              if is_engine else ())
-    return (manager.stop_group, "--grace", str(grace), *main_first, *quick, *drain)
+    failure = (() if "SIGKILL" in step.clean_exit_signals
+               else ("--failure-grace", str(FAILURE_GRACE)))
+    return (manager.stop_group, "--grace", str(grace), *failure, *main_first, *quick,
+            *drain)
 
 
 def health_url(replica: Replica) -> str | None:

@@ -19,8 +19,8 @@ They serve every scenario, in file order:
    collective), and `tp` comes back into rotation.
 3. `llmgw-systemd drain tp --wait`, then `resume tp`: nothing fails, nothing stops; out
    of rotation within the delay, back within HAProxy's rise checks.
-4. Failures never wait: SIGKILL of every process of rank 1 is waiting to restart within
-   a moment, with no drain step.
+4. Failures never wait: SIGKILL of rank 1's main process alone; every rank of the group
+   has a new main process within seconds (issue 42), with no drain step.
 5. A spec change (a variable in every engine's environment) rolled node by node with
    `llmgw-render --apply`, as docs/generator.md shows: node-a's apply stages `tp`; node-b's
    restarts its changed replicas one at a time (`tp` once, as a group), each waited for
@@ -388,21 +388,42 @@ def test_drain_wait_and_resume_fail_nothing_and_stop_nothing(cluster: Cluster) -
     assert traffic.served_by(since=back).get("tp", 0) > 0, traffic.served_by(back)
 
 
-def test_a_killed_rank_restarts_without_a_drain(cluster: Cluster) -> None:
-    """SIGKILL of every process of rank 1, as when its node dies: no delay before the
-    restart. vLLM's units count SIGKILL as a clean exit (docs/engines.md), so systemd runs
-    the ExecStop=, whose drain step finds the main process gone and goes at once."""
-    node_b = cluster.nodes["node-b"]
+# issue 42's bound on an idle machine, from the kill to every rank's new main process
+# (restart.delay 2 s included); this tier shares two cores with the other CI lane
+REGROUP = 5
+
+
+def test_a_killed_rank_restarts_the_whole_group_at_once(cluster: Cluster) -> None:
+    """SIGKILL of rank 1's main process alone (vLLM's worker outlives it, serving):
+    systemd runs the ExecStop=, whose drain step finds the main process gone and SIGKILLs
+    what is left at once; node-b reports the rank failed from its death, and node-a's
+    supervisor restarts its own shard on that, not on seeing rank 1 running again. Every
+    rank of the group has a new main process within REGROUP s (+ SETTLE here); at 724de46
+    it took 41.8 s (issue 42)."""
+    node_a, node_b = cluster.nodes["node-a"], cluster.nodes["node-b"]
+    unit = "llmgw-tp-engine.service"
     cluster.serving("tp")
     steps = len(cluster.step_lines("node-b", "tp"))
+    before = {n: cluster.nodes[n].show(unit, "InvocationID", "MainPID") for n in ADDRESS}
     killed = time.monotonic()
-    node_b.systemctl("kill", "--signal=SIGKILL", "llmgw-tp-engine.service")
-    node_b.wait_state("llmgw-tp-engine.service", "activating", 30, sub="auto-restart")
-    waiting = time.monotonic() - killed
-    print(f"figure: SIGKILL of rank 1: waiting to restart {waiting:.2f} s after")
-    assert waiting < DELAY
+    node_b.kill_main(unit)
+
+    def regrouped() -> dict[str, float] | None:
+        for node in ADDRESS:
+            now = cluster.nodes[node].show(unit, "InvocationID", "MainPID")
+            if node not in seen and now["InvocationID"] != before[node]["InvocationID"] \
+                    and now["MainPID"] not in ("0", before[node]["MainPID"]):
+                seen[node] = time.monotonic() - killed
+        return seen if len(seen) == len(ADDRESS) else None
+
+    seen: dict[str, float] = {}
+    wait_until(regrouped, 120, "every rank of tp to have a new main process", interval=0.1)
+    print(f"figure: SIGKILL of rank 1's main process: new main process on "
+          f"{ {n: round(s, 2) for n, s in sorted(seen.items())} } s after")
     said = cluster.step_lines("node-b", "tp")[steps:]
-    assert all(line.endswith(": no drain") for line in said), said
+    assert said and all(line.endswith(": no drain") for line in said), said
+    assert "SIGKILL to what is left at once" in cluster.log("node-b", "tp")
+    assert max(seen.values()) < REGROUP + SETTLE, (seen, node_a.dump()[-3000:])
     cluster.serving("tp")  # and the group serves again
 
 

@@ -71,20 +71,23 @@ class ApiReader:
         assert status == 200 and isinstance(data, dict), (status, data)
         return data
 
-    def wait_state(self, name: str, state: str, timeout: float = 60, *, reason: str = "",
-                   restarts: int | None = None, settled: bool = False,
+    def wait_state(self, name: str, state: str | tuple[str, ...], timeout: float = 60, *,
+                   reason: str = "", restarts: int | None = None, settled: bool = False,
                    base: str | None = None) -> dict[str, Any]:
+        """Until the replica is `state` (or one of them) with `reason` in its reason."""
+        states = (state,) if isinstance(state, str) else state
+
         def check() -> dict[str, Any] | None:
             status, data = self.get(f"/v1/replicas/{name}", base=base)
             if status != 200 or not isinstance(data, dict):
                 return None
-            ok = data["state"] == state and reason in str(data["reason"])
+            ok = data["state"] in states and reason in str(data["reason"])
             ok = ok and (restarts is None or data["group_restarts"] == restarts)
             ok = ok and (not settled or data["settled"] is True)
             return data if ok else None
 
-        return wait_until(check, timeout, f"{name} to be {state} ({reason}) on {self.node}",
-                          interval=0.2)
+        return wait_until(check, timeout, f"{name} to be {'/'.join(states)} ({reason}) on "
+                          f"{self.node}", interval=0.2)
 
     def metric(self, line_start: str, base: str | None = None) -> float:
         """The sum of every /metrics sample whose line starts with line_start."""
