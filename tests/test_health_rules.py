@@ -88,6 +88,11 @@ SHARD_CASES = [
     # asked to stop: a job on it (planned, the group restart's, one through BindsTo=)
     ("stopping", TARGET_UP, [HEAD, unit("engine", "deactivating", "stop-sigterm",
                                         job="stop")], True, OK, True, DEGRADED, "is stopping"),
+    # the supervisor's first look, from signals: the job is not known yet (JOB_UNKNOWN),
+    # so a planned stop is not taken for a death
+    ("deactivating on a first look, its job not read yet", TARGET_UP,
+     [HEAD, unit("engine", "deactivating", "stop", job="?")], True, OK, True, DEGRADED,
+     "is stopping"),
     ("stopping in a restart, after a death's result", TARGET_UP,
      [HEAD, unit("engine", "deactivating", "stop", result="signal", job="restart")], True,
      OK, True, DEGRADED, "is stopping"),

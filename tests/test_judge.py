@@ -20,7 +20,7 @@ from llmgw_systemd.health.judge import (
 )
 from llmgw_systemd.health.progress import ProgressReading
 from llmgw_systemd.health.rules import DEGRADED, FAILED, READY, STARTING, STOPPED, State
-from llmgw_systemd.health.unit_state import UnitState
+from llmgw_systemd.health.unit_state import JOB_UNKNOWN, UnitState
 
 NOW = 1000.0
 GEN, OLD_GEN = "aa" * 16, "bb" * 16
@@ -614,3 +614,17 @@ def test_a_death_here_is_left_to_systemd_once() -> None:
                   probe=None, peers={"b": B_READY}, now=NOW + 1)
     assert not later.actions and len(later.memory.restarts) == 1, later
     assert "this node's shard is restarting" in later.health.reason
+
+
+def test_a_first_look_decides_no_restart() -> None:
+    """The supervisor's first look comes from signals, which carry no jobs: a rank failed
+    past its delay restarts nothing until a read of systemd confirms this node's state."""
+    first = replace(UP, target=replace(UP.target, job_type=JOB_UNKNOWN),
+                    members=tuple(replace(m, job_type=JOB_UNKNOWN) for m in UP.members))
+    failed_b = {"b": peer("b", shard(1, "b", FAILED))}
+    looked = judge(POLICY, Memory(failing_since=NOW - 5), local=first, probe=PROBE_OK,
+                   peers=failed_b, now=NOW)
+    assert looked.health.state == FAILED and not looked.actions, looked
+    read = judge(POLICY, Memory(failing_since=NOW - 5), local=UP, probe=PROBE_OK,
+                 peers=failed_b, now=NOW)
+    assert len(read.actions) == 1, read

@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from llmgw_systemd.errors import BusError
-from llmgw_systemd.health.unit_state import UnitState, missing
+from llmgw_systemd.health.unit_state import JOB_UNKNOWN, UnitState, missing
 from llmgw_systemd.units.plan import digest_in
 
 SYSTEMD = "org.freedesktop.systemd1"
@@ -320,8 +320,11 @@ class SystemdBus:
                 if last is None:
                     return None
                 hint = self._hints.get(name)
-                out[name] = last if hint is None else replace(
-                    last, active_state=hint[0], sub_state=hint[1])
+                if hint is None or hint == (last.active_state, last.sub_state):
+                    out[name] = last
+                else:  # the job, if any, is the confirming read's to say
+                    out[name] = replace(last, active_state=hint[0], sub_state=hint[1],
+                                        job_type=JOB_UNKNOWN)
             return out
 
     def _on_manager(self, _con: Any, _sender: str, _path: str, _iface: str, _signal: str,

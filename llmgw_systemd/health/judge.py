@@ -92,7 +92,7 @@ from llmgw_systemd.health.rules import (
     replica_health,
     shard_health,
 )
-from llmgw_systemd.health.unit_state import UnitState
+from llmgw_systemd.health.unit_state import JOB_UNKNOWN, UnitState
 from llmgw_systemd.health.versions import RankVersion, mixed, must_rejoin, staged_line
 
 
@@ -483,7 +483,11 @@ def judge(policy: ReplicaPolicy, memory: Memory, *, local: LocalEvidence | None,
     # (reset-failed): a group restart here would spend the budget and start nothing
     held = local is not None and any(u.active_state == "failed" and u.result == START_LIMIT
                                      for u in local.members)
-    if not systemd_error:  # a restart is decided on what systemd says now (held_read)
+    # a restart is decided on what systemd says now (held_read), and on a read of it, not
+    # on the first look its signals gave (no jobs in those: a planned stop looks like a death)
+    first_look = local is not None and any(u.job_type == JOB_UNKNOWN
+                                           for u in (local.target, *local.members))
+    if not systemd_error and not first_look:
         verdict = _group_restart(policy, verdict, now,
                                  engine_since=local.engine_since if local else None,
                                  by_itself=local is not None and any(

@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# job_type of a unit whose state came from its signals alone (the supervisor's first look,
+# before the confirming read): the signal carries the state, not the job, so whether a stop
+# was asked for is not known yet (a planned stop seen as deactivating with the last read's
+# empty job once counted as a death)
+JOB_UNKNOWN = "?"
+
 
 @dataclass(frozen=True)
 class UnitState:
@@ -41,7 +47,7 @@ class UnitState:
         exited or was killed). Every stop someone asked for, a planned one, the
         supervisor's group restart or one passed on through BindsTo=, is a job."""
         return self.sub_state == "auto-restart" or (
-            self.active_state == "deactivating" and not self.job_type)
+            self.active_state == "deactivating" and self.job_type == "")
 
 
 def missing(name: str) -> UnitState:

@@ -407,9 +407,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{PROG}: {args.health} does not answer: nothing to drain, SIGKILL after "
               f"{max(0.0, kill_at - time.monotonic()):.1f} s", flush=True)
     grace = max(0.0, kill_at - time.monotonic())
-    if args.main_first:
-        sys.exit(0 if stop_main_first(groups, main_pid, grace) else 1)
-    sys.exit(0 if stop_group(groups, grace, main_pid) else 1)
+    signalled = time.monotonic()
+    empty = (stop_main_first(groups, main_pid, grace) if args.main_first
+             else stop_group(groups, grace, main_pid))
+    # in the journal: what a stop takes after SIGTERM (the budget's EXIT_GRACE)
+    print(f"{PROG}: {'every process gone' if empty else 'processes left'} "
+          f"{time.monotonic() - signalled:.1f} s after SIGTERM, "
+          f"{time.monotonic() - began:.1f} s into the stop", flush=True)
+    sys.exit(0 if empty else 1)
 
 
 def _is_address(text: str) -> bool:
