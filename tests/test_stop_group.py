@@ -107,6 +107,37 @@ def _cgroup(name: str) -> list[Path]:
     return groups
 
 
+def _spawn_in(groups: list[Path], code: str, *args: str, env: dict[str, str] | None = None
+              ) -> subprocess.Popen[str]:
+    procs = [str(g / "cgroup.procs") for g in groups]
+
+    def enter() -> None:
+        for path in procs:
+            Path(path).write_text(str(os.getpid()))
+
+    return subprocess.Popen([sys.executable, "-c", code, *args],
+                            preexec_fn=enter,  # noqa: PLW1509
+                            stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _cleanup(groups: list[Path], *procs: subprocess.Popen[str]) -> None:
+    for pid in stopgroup.members(groups):
+        os.kill(pid, signal.SIGKILL)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while stopgroup.members(groups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for g in groups:
+        g.rmdir()
+
+
+IGNORES_TERM = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "print('up', flush=True)\ntime.sleep(600)")
+
+
 @pytest.mark.parametrize(("ignores_term", "frozen", "killed"), [
     (True, False, True), (False, False, False),
     (False, True, False),  # SIGSTOPped (a frozen rank): SIGCONT lets it act on SIGTERM
@@ -156,15 +187,7 @@ def test_main_first_signals_the_main_process_alone_then_kills_the_group(
             "child.stdout.readline()\n"
             + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if main_ignores_term else "")
             + "print(child.pid, flush=True)\ntime.sleep(600)")
-    procs = [str(g / "cgroup.procs") for g in groups]
-
-    def enter() -> None:
-        for path in procs:
-            Path(path).write_text(str(os.getpid()))
-
-    main = subprocess.Popen([sys.executable, "-c", code], preexec_fn=enter,  # noqa: PLW1509
-                            stdout=subprocess.PIPE, text=True)
-    child_pid = 0
+    main = _spawn_in(groups, code)
     try:
         assert main.stdout is not None
         child_pid = int(main.stdout.readline())
@@ -174,16 +197,7 @@ def test_main_first_signals_the_main_process_alone_then_kills_the_group(
         assert child_pid not in stopgroup.members(groups)  # the child went too
         assert not heard.exists()  # by SIGKILL: SIGTERM was the main process's alone
     finally:
-        for pid in stopgroup.members(groups):
-            os.kill(pid, signal.SIGKILL)
-        if main.poll() is None:
-            main.kill()
-        main.wait()
-        deadline = time.monotonic() + 10
-        while stopgroup.members(groups) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for g in groups:
-            g.rmdir()
+        _cleanup(groups, main)
 
 
 def test_members_never_include_pid_0(tmp_path: Path) -> None:
@@ -193,37 +207,6 @@ def test_members_never_include_pid_0(tmp_path: Path) -> None:
     group.mkdir()
     (group / "cgroup.procs").write_text(f"0\n0\n{os.getpid()}\n4242\n")
     assert stopgroup.members([group]) == {4242}
-
-
-def _spawn_in(groups: list[Path], code: str, *args: str, env: dict[str, str] | None = None
-              ) -> subprocess.Popen[str]:
-    procs = [str(g / "cgroup.procs") for g in groups]
-
-    def enter() -> None:
-        for path in procs:
-            Path(path).write_text(str(os.getpid()))
-
-    return subprocess.Popen([sys.executable, "-c", code, *args],
-                            preexec_fn=enter,  # noqa: PLW1509
-                            stdout=subprocess.PIPE, text=True, env=env)
-
-
-def _cleanup(groups: list[Path], *procs: subprocess.Popen[str]) -> None:
-    for pid in stopgroup.members(groups):
-        os.kill(pid, signal.SIGKILL)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    deadline = time.monotonic() + 10
-    while stopgroup.members(groups) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for g in groups:
-        g.rmdir()
-
-
-IGNORES_TERM = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                "print('up', flush=True)\ntime.sleep(600)")
 
 
 def test_what_outlives_the_main_process_is_killed_at_once() -> None:
