@@ -170,9 +170,10 @@ _D_DELAY, _D_TIMEOUT = DRAIN_KEYS
 # (3 s at most) and systemd's start of the helper, so the stop ends inactive by our
 # SIGKILL, never by systemd's timeout (Result=timeout, counted as a failure).
 STOP_MARGIN = 5
-# Seconds an engine gets after its drain to exit by itself: vLLM exits within a second of
-# SIGTERM once idle, a headless rank about 10 s after it (docs/engines.md). What is left
-# once its main process is gone is SIGKILLed at once, so this bounds only a slow exit.
+# Seconds an engine gets after its drain to exit by itself: in a CI run of the engine tier
+# every process of a drained vLLM rank (serving or headless) was gone 4.2-6.4 s after
+# SIGTERM, 8.1 s at most (llmgw-stop-group's own log line). What is left once its main
+# process is gone is SIGKILLed at once, so this bounds only a slow exit.
 EXIT_GRACE = 10
 
 

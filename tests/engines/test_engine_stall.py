@@ -305,8 +305,8 @@ def test_mp_busy_frozen_cut_killed_and_a_lone_rank_0_stop(mp_replica: Replica) -
     assert restarts(sups[0])[1] > stalls_before, "not restarted as a stall"
     cut_between_nodes(leader, worker, base, sups, "mp")
 
-    # the whole rank at once, as when its node dies (a SIGKILL of the main process alone
-    # leaves its worker serving until the stop timeout)
+    # the whole rank at once, as when its node dies (a SIGKILL of the main process alone,
+    # whose worker the stop now SIGKILLs at once, is test_engine_drain.py's)
     killed(leader, base, sups[0],
            lambda: worker.systemctl("kill", "--signal=SIGKILL", ENGINE), "rank 1 died")
 
