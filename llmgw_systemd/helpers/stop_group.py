@@ -174,13 +174,8 @@ def stop_main_first(groups: Sequence[Path], main_pid: int, grace: float) -> bool
     children), then SIGKILL whatever is left in the group, as KillMode=mixed does; True
     once the group is empty."""
     terminate({main_pid})
-    deadline = time.monotonic() + grace
-    while _running(main_pid, groups) and time.monotonic() < deadline:
-        time.sleep(POLL)
-    if _running(main_pid, groups):
-        print(f"{PROG}: main process {main_pid} still running {grace:.0f} s after SIGTERM; "
-              "sending SIGKILL to the group", flush=True)
-    return not kill_group(groups)
+    return _then_kill(groups, time.monotonic() + grace, main_pid, f"{grace:.0f} s after "
+                      "SIGTERM")
 
 
 def kill_now(groups: Sequence[Path], grace: float, main_pid: int) -> bool:
